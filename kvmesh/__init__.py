@@ -1,0 +1,30 @@
+"""kvmesh: a distributed, shared KV-cache service for LLM inference on Ray.
+
+    kvmesh.start(redis_url=...)      one KVNode actor per Ray node (idempotent)
+    kvmesh.connect(spec)             a KVMeshClient in any Ray driver, task or actor
+    kvmesh.stop()                    remove the KVNodes
+
+Ray is imported only when these are called, so specs, hashing and the tiers work without it.
+"""
+
+from kvmesh.config import KVMeshConfig
+from kvmesh.mesh import start, stop
+from kvmesh.spec import KVSpec
+
+__all__ = ["KVSpec", "KVMeshConfig", "KVMeshClient", "Match", "start", "stop", "connect"]
+__version__ = "0.1.0"
+
+
+def connect(spec, redis_url=None, **kwargs):
+    """A `KVMeshClient` for `spec` in this process; see `kvmesh.client.connect`."""
+    from kvmesh.client import connect as _connect
+
+    return _connect(spec, redis_url, **kwargs)
+
+
+def __getattr__(name):
+    if name in ("KVMeshClient", "Match", "ChunkMatch"):
+        from kvmesh import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'kvmesh' has no attribute {name!r}")

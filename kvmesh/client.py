@@ -1,0 +1,450 @@
+"""`KVMeshClient`: what a worker uses. Obtain one with `kvmesh.connect(spec)` in any Ray driver, task or actor.
+
+    lookup(tokens) -> Match       pure read, one directory round trip: the longest cached prefix, whole chunks,
+                                  with the live holders of each chunk
+    fetch(match) -> Tensor        brings matched chunks into this process: same-node chunks straight from the node's
+                                  shared-memory slab (an actor call only pins), peer chunks pulled through Ray in
+                                  pipelined batches. Whatever fails, is corrupt or misses the deadline truncates the
+                                  result to the intact leading part; the caller recomputes the rest
+    store(tokens, kv) -> int      hands the full chunks not already cached to the local KVNode and returns their
+                                  count; the copy into the node happens in the background (`flush` waits for it)
+
+Every checksum is verified when bytes cross into this process. Bad arguments raise `TypeError`/`ValueError`
+naming the argument; failures of peers or Redis never raise out of these calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import redis
+import torch
+
+from kvmesh.config import KVMeshConfig
+from kvmesh.directory import Directory, Holder, NodeTable
+from kvmesh.hashing import as_tokens, chunk_hashes, salt_bytes
+from kvmesh.spec import KVSpec
+from kvmesh.tiers import TIER_NAMES, checksum
+from kvmesh.tiers.cpu import SlabReader
+from kvmesh.wire import StoreItem, WireError, pack_keys, pack_store, unpack_chunk_header, unpack_pin_reply
+
+log = logging.getLogger("kvmesh.client")
+MAX_INFLIGHT_STORES = 16  # more pending stores than this and new ones are dropped (counted), never waited for
+
+# Slab and object-store buffers are read-only; torch warns when wrapping them. We only ever read them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMatch:
+    hash: bytes
+    holders: tuple[Holder, ...]  # live holders, the preferred one (this node, then best tier) first
+
+    @property
+    def node_id(self) -> str:
+        return self.holders[0].node_id
+
+    @property
+    def tier(self) -> str:
+        return TIER_NAMES[self.holders[0].tier]
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """The longest cached prefix of a prompt, in whole chunks."""
+
+    namespace: bytes  # spec namespace the lookup was made for
+    chunk_tokens: int
+    chunks: tuple[ChunkMatch, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.chunks) * self.chunk_tokens
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    def truncate(self, num_chunks: int) -> "Match":
+        return Match(self.namespace, self.chunk_tokens, self.chunks[:max(0, num_chunks)])
+
+
+@dataclass(frozen=True, slots=True)
+class FetchStats:
+    """Where the chunks of the last fetch came from."""
+
+    local_chunks: int
+    peer_chunks: int
+    seconds: float
+
+
+class KVMeshClient:
+    def __init__(self, spec: KVSpec, config: KVMeshConfig, node_id: str | None, local_actor=None,
+                 local_slab: tuple[str, int, int] | None = None, cache_salt: str | bytes | None = None) -> None:
+        self.spec = spec
+        self.config = config
+        self.node_id = node_id
+        self.cache_salt = salt_bytes(cache_salt)
+        self.counts: Counter[str] = Counter()
+        self.last_fetch = FetchStats(0, 0, 0.0)
+        self.directory = Directory(config.redis_url, config.key_prefix, timeout_s=config.lookup_timeout_s)
+        self._local = local_actor
+        self._slab = SlabReader(*local_slab[:2]) if local_slab else None
+        self._slab_slot_bytes = local_slab[2] if local_slab else 0
+        self._actors: dict[str, object] = {}
+        self._pending_stores: list = []
+        self._pending_pins: list = []  # pin replies we stopped waiting for; unpinned when they arrive
+        self._table = NodeTable(None, 0, {}, (), {})
+        self._table_at = time.monotonic()
+        self._closed = threading.Event()
+        self._refresh_nodes()
+        self._refresher = threading.Thread(target=self._refresh_loop, name="kvmesh-client-nodes", daemon=True)
+        self._refresher.start()
+
+    # -- lookup -------------------------------------------------------------------------------------------------
+    def _salt(self, cache_salt) -> bytes:
+        return self.cache_salt if cache_salt is None else salt_bytes(cache_salt)
+
+    def hashes(self, tokens, cache_salt: str | bytes | None = None) -> list[bytes]:
+        """Chunk hashes of the full chunks of `tokens` under this client's spec and salt."""
+        return chunk_hashes(self.spec.namespace, as_tokens(tokens), self.spec.chunk_tokens, self._salt(cache_salt))
+
+    def lookup(self, tokens, cache_salt: str | bytes | None = None) -> Match:
+        hashes = self.hashes(tokens, cache_salt)
+        self.counts["lookups"] += 1
+        holders = self._live_holders(hashes, prefix_only=True)
+        chunks = tuple(ChunkMatch(h, hs) for h, hs in zip(hashes, holders))
+        self.counts["lookup_hit_chunks" if chunks else "lookup_misses"] += len(chunks) or 1
+        return Match(self.spec.namespace, self.spec.chunk_tokens, chunks)
+
+    def _live_holders(self, hashes: list[bytes], prefix_only: bool) -> list[tuple[Holder, ...]]:
+        if not hashes:
+            return []
+        try:
+            values = self.directory.lookup_raw(hashes[0], hashes)
+        except redis.RedisError as e:
+            self.counts["directory_errors"] += 1
+            log.debug("lookup failed: %s", e)
+            return []
+        table = self._current_table()
+        if prefix_only:
+            rows = self.directory.longest_prefix(values, table)
+        else:
+            rows = [self.directory.longest_prefix([v], table)[:1] for v in values]
+            rows = [r[0] if r else () for r in rows]
+        me = self.node_id
+        return [tuple(sorted(hs, key=lambda h: (h.tier, h.node_id != me))) for hs in rows]
+
+    def _current_table(self) -> NodeTable:
+        """The node table with leases judged at this moment (Redis's clock advanced by our elapsed time)."""
+        t, at = self._table, self._table_at
+        now_ms = t.now_ms + int((time.monotonic() - at) * 1000)
+        live = {inc: info for inc, info in t.live.items() if t.deadlines.get(inc, 0) > now_ms}
+        return NodeTable(t.epoch, now_ms, live, t.dead, t.deadlines)
+
+    def _refresh_nodes(self) -> None:
+        try:
+            table = self.directory.node_table()
+        except redis.RedisError:
+            self.counts["directory_errors"] += 1
+            return
+        self._table, self._table_at = table, time.monotonic()
+
+    def _refresh_loop(self) -> None:
+        while not self._closed.wait(self.config.node_refresh_s):
+            self._refresh_nodes()
+
+    # -- fetch --------------------------------------------------------------------------------------------------
+    def fetch(self, match: Match, device: str | torch.device = "cpu", deadline_s: float | None = None) -> torch.Tensor:
+        """KV of the matched prefix, `[num_layers, 2, tokens, num_kv_heads, head_dim]`; `tokens` is
+        `match.num_tokens` or, if part of the pull failed, the whole chunks before the first failure."""
+        if not isinstance(match, Match):
+            raise TypeError(f"match must be a kvmesh Match from lookup(), got {type(match).__name__}")
+        if match.namespace != self.spec.namespace or match.chunk_tokens != self.spec.chunk_tokens:
+            raise ValueError("match was made for a different KVSpec than this client's")
+        if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float))
+                                       or deadline_s <= 0):
+            raise ValueError(f"deadline_s must be a positive number, got {deadline_s!r}")
+        device = torch.device(device)
+        t0 = time.monotonic()
+        deadline = t0 + (deadline_s or self.config.fetch_timeout_s)
+        n = match.num_chunks
+        C = self.spec.chunk_tokens
+        out = torch.empty(self.spec.kv_shape(n * C), dtype=self.spec.torch_dtype,
+                          pin_memory=device.type == "cuda" and torch.cuda.is_available())
+        local, peer = self._fill(match, out, deadline) if n else (0, 0)
+        got = local + peer
+        self.last_fetch = FetchStats(local, peer, time.monotonic() - t0)
+        self.counts["fetched_chunks_local"] += local
+        self.counts["fetched_chunks_peer"] += peer
+        if got < n:
+            self.counts["fetch_truncated"] += 1
+        result = out[:, :, : got * C]
+        return result if device.type == "cpu" else result.to(device, non_blocking=True)
+
+    def _plan(self, match: Match) -> list[tuple[str, int, list[bytes]]]:
+        """Runs of consecutive chunks from one holder: (node id, first chunk index, keys). Prefers this node,
+        then staying on the previous chunk's holder; peer runs are split into batches that pipeline."""
+        per_batch = max(1, self.config.pull_batch_bytes // self.spec.chunk_bytes)
+        runs: list[tuple[str, int, list[bytes]]] = []
+        prev = None
+        for i, ch in enumerate(match.chunks):
+            nodes = [h.node_id for h in ch.holders]
+            if self.node_id in nodes and self._slab is not None:
+                pick = self.node_id
+            elif prev in nodes:
+                pick = prev
+            else:
+                pick = nodes[0]
+            if runs and runs[-1][0] == pick and (pick == self.node_id or len(runs[-1][2]) < per_batch):
+                runs[-1][2].append(ch.hash)
+            else:
+                runs.append((pick, i, [ch.hash]))
+            prev = pick
+        return runs
+
+    def _fill(self, match: Match, out: torch.Tensor, deadline: float) -> tuple[int, int]:
+        import ray
+
+        self._release_pending_pins()
+        inflight = []
+        for node_id, start, keys in self._plan(match):
+            actor = self._actor(node_id)
+            if actor is None:
+                break
+            is_local = node_id == self.node_id and self._slab is not None
+            method = actor.pin if is_local else actor.pull
+            inflight.append((is_local, start, keys, method.remote(pack_keys(keys))))
+        got = {True: 0, False: 0}
+        pos = 0
+        for idx, (is_local, start, keys, ref) in enumerate(inflight):
+            if start != pos:
+                break
+            try:
+                reply = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                k = self._consume_pin(keys, reply, out, start) if is_local else self._consume_pull(reply, out, start)
+            except (ray.exceptions.RayError, TimeoutError, WireError) as e:
+                self.counts[f"fetch_error_{type(e).__name__}"] += 1
+                log.debug("fetch of %d chunk(s) from %s failed: %s", len(keys), "local" if is_local else "peer", e)
+                if is_local:
+                    self._pending_pins.append(ref)
+                k = 0
+            got[is_local] += k
+            pos += k
+            if k < len(keys):
+                self._pending_pins.extend(r for loc, _s, _k, r in inflight[idx + 1:] if loc)
+                break
+        return got[True], got[False]
+
+    def _chunk_dst(self, out: torch.Tensor, index: int) -> torch.Tensor:
+        C, s = self.spec.chunk_tokens, self.spec
+        u8 = out.view(torch.uint8).view(s.num_layers, 2, out.shape[2], s.num_kv_heads * s.head_dim * s.element_size)
+        return u8[:, :, index * C:(index + 1) * C]
+
+    def _copy_in(self, out: torch.Tensor, index: int, src) -> None:
+        s = self.spec
+        view = torch.frombuffer(src, dtype=torch.uint8).view(s.num_layers, 2, s.chunk_tokens, -1)
+        self._chunk_dst(out, index).copy_(view)
+
+    def _consume_pin(self, keys: list[bytes], reply: bytes, out: torch.Tensor, start: int) -> int:
+        pin_id, rows, slab_path = unpack_pin_reply(reply)
+        try:
+            if self._slab is None or slab_path != self._slab.path:
+                self.counts["fetch_stale_slab"] += 1
+                self._reattach_local()
+                return 0
+            k = 0
+            for j, row in enumerate(rows):
+                if row.nbytes != self.spec.chunk_bytes:
+                    break
+                src = self._slab.view(row.slot * self._slab_slot_bytes, row.nbytes)
+                self._copy_in(out, start + j, src)
+                if checksum(src) != row.checksum:  # after the copy: catches a slot overwritten under us
+                    self.counts["fetch_checksum_failures"] += 1
+                    self._local.report_corrupt.remote(pack_keys(keys[j:j + 1]))
+                    break
+                k += 1
+            return k
+        finally:
+            if rows:
+                self._local.unpin.remote(pin_id)
+
+    def _consume_pull(self, reply, out: torch.Tensor, start: int) -> int:
+        header, data = reply
+        rows = unpack_chunk_header(header)
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
+            raise WireError("PullReply: buffer must be a uint8 array")
+        k = off = 0
+        for nbytes, c in rows:
+            if nbytes != self.spec.chunk_bytes or off + nbytes > data.size:
+                break
+            piece = data[off:off + nbytes]
+            if checksum(piece) != c:
+                self.counts["fetch_checksum_failures"] += 1
+                break
+            self._copy_in(out, start + k, piece)
+            off += nbytes
+            k += 1
+        return k
+
+    def _release_pending_pins(self) -> None:
+        import ray
+
+        if not self._pending_pins:
+            return
+        ready, self._pending_pins = ray.wait(self._pending_pins, num_returns=len(self._pending_pins), timeout=0)
+        for ref in ready:
+            try:
+                pin_id, rows, _ = unpack_pin_reply(ray.get(ref))
+                if rows:
+                    self._local.unpin.remote(pin_id)
+            except Exception:
+                pass  # the node is gone or the pin expired: nothing to release
+
+    def _actor(self, node_id: str):
+        if node_id == self.node_id and self._local is not None:
+            return self._local
+        h = self._actors.get(node_id)
+        if h is None:
+            import ray
+
+            from kvmesh.mesh import NAMESPACE, actor_name
+
+            try:
+                h = ray.get_actor(actor_name(node_id), namespace=NAMESPACE)
+            except ValueError:
+                self.counts["fetch_node_unknown"] += 1
+                return None
+            self._actors[node_id] = h
+        return h
+
+    def _reattach_local(self) -> None:
+        """The local KVNode restarted (new slab): map its new slab."""
+        import ray
+
+        from kvmesh.mesh import NodeHello
+
+        try:
+            hello = NodeHello.unpack(ray.get(self._local.hello.remote(), timeout=5))
+        except Exception:
+            return
+        if self._slab is not None:
+            self._slab.close()
+        self._slab = SlabReader(hello.info.slab_path, hello.info.slab_bytes)
+        self._slab_slot_bytes = hello.info.slot_bytes
+
+    # -- store --------------------------------------------------------------------------------------------------
+    def store(self, tokens, kv: torch.Tensor, cache_salt: str | bytes | None = None) -> int:
+        """Store the full chunks of `tokens` not already cached; `kv` is `[num_layers, 2, n, num_kv_heads,
+        head_dim]` with `n >= len(tokens)`. Returns the number of chunks handed to the local node."""
+        toks = as_tokens(tokens)
+        kv = self._check_kv(kv, len(toks))
+        hashes = chunk_hashes(self.spec.namespace, toks, self.spec.chunk_tokens, self._salt(cache_salt))
+        if not hashes:
+            return 0
+        if self._local is None:
+            self.counts["store_no_local_node"] += 1
+            return 0
+        held = self._live_holders(hashes, prefix_only=False)
+        todo = [i for i in range(len(hashes)) if i >= len(held) or not held[i]]
+        if not todo:
+            return 0
+        self._reap_stores()
+        if len(self._pending_stores) >= MAX_INFLIGHT_STORES:
+            self.counts["store_dropped_busy"] += 1
+            return 0
+        s, cb = self.spec, self.spec.chunk_bytes
+        staging = np.empty(len(todo) * cb, dtype=np.uint8)
+        st = torch.from_numpy(staging).view(len(todo), s.num_layers, 2, s.chunk_tokens, -1)
+        src = kv.view(torch.uint8).flatten(3)
+        items = []
+        for j, i in enumerate(todo):
+            st[j].copy_(src[:, :, i * s.chunk_tokens:(i + 1) * s.chunk_tokens])
+            items.append(StoreItem(hashes[0], hashes[i], cb, checksum(staging[j * cb:(j + 1) * cb])))
+        self._pending_stores.append(self._local.store.remote(pack_store(items), staging))
+        self.counts["stored_chunks"] += len(todo)
+        return len(todo)
+
+    def _check_kv(self, kv, num_tokens: int) -> torch.Tensor:
+        s = self.spec
+        if not isinstance(kv, torch.Tensor):
+            raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        if kv.dtype != s.torch_dtype:
+            raise ValueError(f"kv has dtype {kv.dtype}, but the spec says {s.dtype}")
+        if (kv.dim() != 5 or kv.shape[0] != s.num_layers or kv.shape[1] != 2 or kv.shape[3] != s.num_kv_heads
+                or kv.shape[4] != s.head_dim):
+            raise ValueError(f"kv must have shape [{s.num_layers}, 2, n, {s.num_kv_heads}, {s.head_dim}], "
+                             f"got {list(kv.shape)}")
+        if kv.shape[2] < num_tokens:
+            raise ValueError(f"kv holds {kv.shape[2]} tokens, fewer than the {num_tokens} in tokens")
+        kv = kv.detach()
+        return kv if kv.stride(-1) == 1 else kv.contiguous()
+
+    def _reap_stores(self) -> None:
+        import ray
+
+        if self._pending_stores:
+            _, self._pending_stores = ray.wait(self._pending_stores, num_returns=len(self._pending_stores),
+                                               timeout=0)
+
+    def flush(self, timeout_s: float = 30.0) -> int:
+        """Wait until every store handed over so far is in the node's tier and registered; returns how many
+        chunks the node actually stored."""
+        import ray
+
+        refs, self._pending_stores = self._pending_stores, []
+        stored = 0
+        for r in refs:
+            try:
+                stored += ray.get(r, timeout=timeout_s)
+            except (ray.exceptions.RayError, TimeoutError):
+                self.counts["store_failures"] += 1
+        return stored
+
+    def close(self) -> None:
+        self._closed.set()
+        self._refresher.join(timeout=2)
+        if self._slab is not None:
+            self._slab.close()
+        self.directory.close()
+
+    def __enter__(self) -> "KVMeshClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(spec: KVSpec, redis_url: str | None = None, *, cache_salt: str | bytes | None = None,
+            config: KVMeshConfig | None = None, **options) -> KVMeshClient:
+    """A client for `spec` in this process. Finds the KVNode on this process's Ray node and takes its config
+    (directory URL included) unless `redis_url`/`config`/`options` say otherwise."""
+    if not isinstance(spec, KVSpec):
+        raise TypeError(f"spec must be a kvmesh.KVSpec, got {type(spec).__name__}")
+    salt_bytes(cache_salt)
+    from kvmesh.mesh import NAMESPACE, NodeHello, _require_ray, actor_name
+
+    ray = _require_ray()
+    node_id = ray.get_runtime_context().get_node_id()
+    try:
+        local = ray.get_actor(actor_name(node_id), namespace=NAMESPACE)
+        hello = NodeHello.unpack(ray.get(local.hello.remote(), timeout=30))
+    except (ValueError, ray.exceptions.RayError):
+        local, hello = None, None
+    if hello is None and redis_url is None and config is None:
+        raise RuntimeError("no KVNode runs on this Ray node (call kvmesh.start first) and no redis_url was given")
+    cfg = config or (hello.config if hello else KVMeshConfig())
+    if redis_url is not None:
+        cfg = cfg.replace(redis_url=redis_url)
+    cfg = cfg.replace(**options)
+    if spec.chunk_bytes > cfg.slot_bytes:
+        raise ValueError(f"spec.chunk_tokens={spec.chunk_tokens} makes {spec.chunk_bytes}-byte chunks, larger than "
+                         f"the nodes' slot_bytes={cfg.slot_bytes}; use fewer chunk_tokens or bigger slots")
+    slab = (hello.info.slab_path, hello.info.slab_bytes, hello.info.slot_bytes) if hello else None
+    return KVMeshClient(spec, cfg, node_id, local, slab, cache_salt)

@@ -1,0 +1,268 @@
+"""The directory: which live node incarnations hold which chunks. Redis holds metadata only, never KV bytes.
+
+Key layout (`P` is the configured key prefix):
+
+    P:{n}:epoch            string   random id of this directory's lifetime; a Redis that restarted empty has none
+    P:{n}:counter          string   INCR source of node incarnations
+    P:{n}:inc              hash     node_id -> current incarnation
+    P:{n}:deadline         hash     node_id -> lease deadline, ms on Redis's own clock
+    P:{n}:info             hash     node_id -> msgpack NodeInfo (wire.py)
+    P:g:{<h1 hex>}         hash     chunk hash (16 raw bytes) -> msgpack [1, [inc, tier], [inc, tier], ...]
+
+All node keys share the hash tag `{n}`, so the node table is read in one round trip and the scripts that change it
+touch one Redis Cluster slot. A prompt's chunks all live in the group of its first chunk's hash h_1 (tag
+`{<h1 hex>}`): one lookup is one HMGET on one slot, while prompts with different first chunks spread over slots.
+
+Holder entries name an incarnation, never just a node. An entry is live only while its incarnation is the node's
+current one and that node's lease deadline has not passed; readers drop everything else, so entries of dead or
+superseded incarnations are never returned. A restarted node gets a new incarnation. A Redis that lost its data
+loses its epoch too: nodes see that on their next heartbeat and re-join (new incarnation) and re-register.
+
+Primitives:
+    join(node_id, info, lease_ms) -> Lease           mutates: new incarnation, epoch created if missing
+    heartbeat(lease, lease_ms) -> "ok"|"resync"|"fenced"   mutates: extends the lease when "ok"
+    leave(lease)                                     mutates: removes the node if still this incarnation
+    register(lease, tier, group, hashes)             mutates: adds/updates this incarnation's entries
+    unregister(lease, group, hashes)                 mutates: removes this incarnation's entries
+    node_table() -> NodeTable                        read, one round trip
+    lookup_raw(group, hashes) -> list[bytes | None]  read, one round trip
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import msgpack
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvmesh.wire import NodeInfo
+
+HOLDERS_VERSION = 1
+MAX_HOLDERS = 8  # per chunk; a longer list drops its oldest entries
+
+_JOIN = """
+redis.call('SET', KEYS[1], ARGV[2], 'NX')
+local epoch = redis.call('GET', KEYS[1])
+local inc = redis.call('INCR', KEYS[2])
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[3], ARGV[1], inc)
+redis.call('HSET', KEYS[4], ARGV[1], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[3]))
+redis.call('HSET', KEYS[5], ARGV[1], ARGV[4])
+return {epoch, inc}
+"""
+
+_HEARTBEAT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[3] then return 'resync' end
+local cur = redis.call('HGET', KEYS[2], ARGV[1])
+if not cur then return 'resync' end
+if cur ~= ARGV[2] then return 'fenced' end
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[3], ARGV[1], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[4]))
+return 'ok'
+"""
+
+_LEAVE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+# KEYS[1] group; ARGV: inc, tier, hashes...
+_REGISTER = """
+local inc = tonumber(ARGV[1])
+local tier = tonumber(ARGV[2])
+local maxh = tonumber(ARGV[3])
+for i = 4, #ARGV do
+  local hs = {}
+  local v = redis.call('HGET', KEYS[1], ARGV[i])
+  if v then
+    local t = cmsgpack.unpack(v)
+    for j = 2, #t do
+      if t[j][1] ~= inc then hs[#hs + 1] = t[j] end
+    end
+  end
+  hs[#hs + 1] = {inc, tier}
+  local out = {1}
+  for j = math.max(1, #hs - maxh + 1), #hs do out[#out + 1] = hs[j] end
+  redis.call('HSET', KEYS[1], ARGV[i], cmsgpack.pack(out))
+end
+return #ARGV - 3
+"""
+
+# KEYS[1] group; ARGV: inc, hashes...
+_UNREGISTER = """
+local inc = tonumber(ARGV[1])
+local n = 0
+for i = 2, #ARGV do
+  local v = redis.call('HGET', KEYS[1], ARGV[i])
+  if v then
+    local t = cmsgpack.unpack(v)
+    local out = {1}
+    for j = 2, #t do
+      if t[j][1] ~= inc then out[#out + 1] = t[j] else n = n + 1 end
+    end
+    if #out == 1 then redis.call('HDEL', KEYS[1], ARGV[i])
+    else redis.call('HSET', KEYS[1], ARGV[i], cmsgpack.pack(out)) end
+  end
+end
+return n
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    node_id: str
+    incarnation: int
+    epoch: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    node_id: str
+    incarnation: int
+    tier: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeTable:
+    """The live nodes as Redis saw them at `now_ms` (Redis's clock)."""
+
+    epoch: bytes | None
+    now_ms: int
+    live: dict[int, NodeInfo]  # incarnation -> info, only for unexpired current incarnations
+    dead: tuple[str, ...]  # node ids whose lease has lapsed but which have not left
+    deadlines: dict[int, int]  # incarnation -> lease deadline (ms, Redis clock) of the live ones
+
+    def by_node(self) -> dict[str, NodeInfo]:
+        return {info.node_id: info for info in self.live.values()}
+
+
+class Directory:
+    def __init__(self, url: str, prefix: str = "kvmesh", timeout_s: float = 2.0) -> None:
+        self.url = url
+        self.prefix = prefix
+        # No retries: callers have deadlines, and a directory that does not answer is a miss, not a wait.
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           retry=Retry(NoBackoff(), 0), health_check_interval=30)
+        n = f"{prefix}:{{n}}"
+        self._k_epoch, self._k_counter = f"{n}:epoch", f"{n}:counter"
+        self._k_inc, self._k_deadline, self._k_info = f"{n}:inc", f"{n}:deadline", f"{n}:info"
+        self._join = self._redis.register_script(_JOIN)
+        self._heartbeat = self._redis.register_script(_HEARTBEAT)
+        self._leave = self._redis.register_script(_LEAVE)
+        self._register = self._redis.register_script(_REGISTER)
+        self._unregister = self._redis.register_script(_UNREGISTER)
+        self._holders_cache: dict[bytes, tuple[tuple[int, int], ...]] = {}
+        self._cache_lock = threading.Lock()
+
+    def group_key(self, group: bytes) -> str:
+        return f"{self.prefix}:g:{{{group.hex()}}}"
+
+    # -- nodes --------------------------------------------------------------------------------------------------
+    def join(self, info: NodeInfo, lease_ms: int) -> Lease:
+        epoch, inc = self._join(keys=[self._k_epoch, self._k_counter, self._k_inc, self._k_deadline, self._k_info],
+                                args=[info.node_id, os.urandom(8).hex(), lease_ms, info.pack()])
+        return Lease(info.node_id, int(inc), epoch)
+
+    def heartbeat(self, lease: Lease, lease_ms: int) -> str:
+        r = self._heartbeat(keys=[self._k_epoch, self._k_inc, self._k_deadline],
+                            args=[lease.node_id, lease.incarnation, lease.epoch, lease_ms])
+        return r.decode() if isinstance(r, bytes) else str(r)
+
+    def leave(self, lease: Lease) -> bool:
+        return bool(self._leave(keys=[self._k_inc, self._k_deadline, self._k_info],
+                                args=[lease.node_id, lease.incarnation]))
+
+    def node_table(self) -> NodeTable:
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.time().get(self._k_epoch).hgetall(self._k_inc).hgetall(self._k_deadline).hgetall(self._k_info)
+        (sec, usec), epoch, incs, deadlines, infos = pipe.execute()
+        now_ms = sec * 1000 + usec // 1000
+        live, dead, until = {}, [], {}
+        for node, inc in incs.items():
+            deadline = int(float(deadlines.get(node, 0)))
+            raw = infos.get(node)
+            if deadline <= now_ms or not raw:
+                dead.append(node.decode())
+                continue
+            info = NodeInfo.unpack(raw, incarnation=int(inc))
+            live[info.incarnation] = info
+            until[info.incarnation] = deadline
+        return NodeTable(epoch, now_ms, live, tuple(dead), until)
+
+    # -- holders ------------------------------------------------------------------------------------------------
+    def register(self, lease: Lease, tier: int, group: bytes, hashes: list[bytes]) -> None:
+        if hashes:
+            self._register(keys=[self.group_key(group)], args=[lease.incarnation, tier, MAX_HOLDERS, *hashes])
+
+    def unregister(self, lease: Lease, group: bytes, hashes: list[bytes]) -> None:
+        if hashes:
+            self._unregister(keys=[self.group_key(group)], args=[lease.incarnation, *hashes])
+
+    def register_many(self, lease: Lease, tier: int, groups: dict[bytes, list[bytes]]) -> None:
+        """Register several groups in one pipelined round trip (used on resync)."""
+        pipe = self._redis.pipeline(transaction=False)
+        for group, hashes in groups.items():
+            self._register(keys=[self.group_key(group)], args=[lease.incarnation, tier, MAX_HOLDERS, *hashes],
+                           client=pipe)
+        pipe.execute()
+
+    def lookup_raw(self, group: bytes, hashes: list[bytes]) -> list[bytes | None]:
+        return self._redis.execute_command("HMGET", self.group_key(group), *hashes)
+
+    def decode_holders(self, value: bytes) -> tuple[tuple[int, int], ...]:
+        """(incarnation, tier) pairs of one entry. Entries repeat across a prompt's chunks, so decode once."""
+        hit = self._holders_cache.get(value)
+        if hit is None:
+            obj = msgpack.unpackb(value)
+            if not isinstance(obj, list) or not obj or obj[0] != HOLDERS_VERSION:
+                hit = ()  # an entry we cannot read is no holder
+            else:
+                hit = tuple((int(h[0]), int(h[1])) for h in obj[1:])
+            with self._cache_lock:
+                if len(self._holders_cache) > 4096:
+                    self._holders_cache.clear()
+                self._holders_cache[value] = hit
+        return hit
+
+    def longest_prefix(self, values: list[bytes | None], table: NodeTable) -> list[tuple[Holder, ...]]:
+        """Holders of each leading chunk that has at least one live holder, best tier first."""
+        out = []
+        for v in values:
+            if v is None:
+                break
+            hs = []
+            for inc, tier in self.decode_holders(v):
+                info = table.live.get(inc)
+                if info is not None:
+                    hs.append(Holder(info.node_id, inc, tier))
+            if not hs:
+                break
+            hs.sort(key=lambda h: h.tier)
+            out.append(tuple(hs))
+        return out
+
+    # -- maintenance --------------------------------------------------------------------------------------------
+    def ping(self) -> bool:
+        return bool(self._redis.ping())
+
+    def check_integrity(self) -> None:
+        """Every node with an incarnation has a deadline and a readable info record naming it."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hgetall(self._k_inc).hgetall(self._k_deadline).hgetall(self._k_info)
+        incs, deadlines, infos = pipe.execute()
+        for node, inc in incs.items():
+            assert node in deadlines, f"node {node!r} has no lease deadline"
+            assert node in infos, f"node {node!r} has no info"
+            assert NodeInfo.unpack(infos[node], int(inc)).node_id == node.decode(), f"node {node!r} info mismatch"
+
+    def close(self) -> None:
+        self._redis.close()

@@ -1,0 +1,90 @@
+"""Chained chunk hashes: the keys under which chunks are stored, looked up and transferred.
+
+Byte layout (written down once; see also `spec.py` for the namespace):
+
+    h_0 = BLAKE2b-128(namespace ‖ salt,               person=b"kvmesh.salt")
+    h_i = BLAKE2b-128(h_{i-1} ‖ tokens_i as <u4 × C, person=b"kvmesh.chunk")
+
+`namespace` is the spec's 16-byte digest, `salt` the tenant's `cache_salt` as UTF-8 bytes (empty when none), and
+`tokens_i` the i-th run of `chunk_tokens` (C) token ids as little-endian uint32. Only full chunks get a hash. h_i
+names the whole prefix up to the end of chunk i: equal hashes mean equal spec, salt and token prefix.
+
+Never Python's `hash()`, never pickle, never a random seed: the same tokens give the same bytes in every process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+HASH_BYTES = 16
+MAX_TOKEN_ID = 2**32 - 1
+
+
+def as_tokens(tokens, name: str = "tokens") -> np.ndarray:
+    """Normalise token ids to a contiguous little-endian uint32 array.
+
+    Accepts a list/tuple of ints, a 1-D integer torch tensor or a 1-D integer numpy array. Anything else raises
+    `TypeError`; ids outside [0, 2**32) raise `ValueError`. Both name the argument.
+    """
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    elif isinstance(tokens, (list, tuple)):
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tokens):
+            raise TypeError(f"{name} must contain only ints")
+        try:
+            arr = np.asarray(tokens, dtype=np.int64) if tokens else np.zeros(0, dtype=np.int64)
+        except OverflowError:
+            raise ValueError(f"{name} holds a token id outside [0, {MAX_TOKEN_ID}]") from None
+    elif type(tokens).__module__.startswith("torch") and hasattr(tokens, "detach"):
+        import torch
+
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got dtype {tokens.dtype}")
+        arr = tokens.detach().to("cpu").numpy()
+    else:
+        raise TypeError(f"{name} must be a list of ints, a 1-D integer torch.Tensor or numpy array, "
+                        f"got {type(tokens).__name__}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
+        raise ValueError(f"{name} holds a token id outside [0, {MAX_TOKEN_ID}]")
+    return np.ascontiguousarray(arr, dtype="<u4")
+
+
+def root_hash(namespace: bytes, cache_salt: str | bytes | None = None) -> bytes:
+    """h_0: the namespace with the tenant's salt mixed in."""
+    if len(namespace) != HASH_BYTES:
+        raise ValueError(f"namespace must be {HASH_BYTES} bytes, got {len(namespace)}")
+    return hashlib.blake2b(namespace + salt_bytes(cache_salt), digest_size=HASH_BYTES,
+                           person=b"kvmesh.salt").digest()
+
+
+def salt_bytes(cache_salt: str | bytes | None, name: str = "cache_salt") -> bytes:
+    if cache_salt is None:
+        return b""
+    if isinstance(cache_salt, str):
+        return cache_salt.encode("utf-8")
+    if isinstance(cache_salt, bytes):
+        return cache_salt
+    raise TypeError(f"{name} must be str, bytes or None, got {type(cache_salt).__name__}")
+
+
+def chunk_hashes(namespace: bytes, tokens: np.ndarray, chunk_tokens: int,
+                 cache_salt: str | bytes | None = None) -> list[bytes]:
+    """Hashes h_1..h_n of the full chunks of `tokens` (a uint32 array from `as_tokens`)."""
+    assert tokens.dtype == np.dtype("<u4") and tokens.flags.c_contiguous
+    n = len(tokens) // chunk_tokens
+    data = memoryview(tokens[: n * chunk_tokens]).cast("B")
+    step = chunk_tokens * 4
+    prev = root_hash(namespace, cache_salt)
+    out = []
+    for i in range(n):
+        h = hashlib.blake2b(prev, digest_size=HASH_BYTES, person=b"kvmesh.chunk")
+        h.update(data[i * step:(i + 1) * step])
+        prev = h.digest()
+        out.append(prev)
+    return out

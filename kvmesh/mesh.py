@@ -1,0 +1,128 @@
+"""The Ray edge: one `KVNode` actor per alive Ray node (`start`), found by name from any worker, removed by `stop`.
+
+Actors are named `kvnode-<node id>` in the Ray namespace `kvmesh`, detached, pinned to their node with hard node
+affinity, and restarted by Ray if their process dies (a restart is a new incarnation in the directory).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import msgpack
+
+from kvmesh.config import KVMeshConfig
+from kvmesh.wire import NodeInfo
+
+NAMESPACE = "kvmesh"
+ACTOR_PREFIX = "kvnode-"
+log = logging.getLogger("kvmesh.mesh")
+
+
+def actor_name(node_id: str) -> str:
+    return f"{ACTOR_PREFIX}{node_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHello:
+    info: NodeInfo
+    config: KVMeshConfig
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "NodeHello":
+        _v, info, inc, cfg = msgpack.unpackb(data, raw=False)[:4]
+        return cls(NodeInfo.unpack(info, inc), KVMeshConfig(**cfg))
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """What `start` placed: the config the nodes run with and one `NodeInfo` per node."""
+
+    config: KVMeshConfig
+    nodes: tuple[NodeInfo, ...]
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [n.node_id for n in self.nodes]
+
+
+def _require_ray():
+    import ray
+
+    if not ray.is_initialized():
+        raise RuntimeError("kvmesh needs a Ray connection: call ray.init(...) first")
+    return ray
+
+
+def kvnode_actor_class():
+    import ray
+
+    from kvmesh.node import KVNode
+
+    return ray.remote(KVNode)
+
+
+def start(redis_url: str | None = None, *, config: KVMeshConfig | None = None, timeout_s: float = 60.0,
+          **options) -> Mesh:
+    """Put exactly one KVNode on every alive Ray node; idempotent (existing nodes are kept as they are, new Ray
+    nodes get one). `options` are `KVMeshConfig` fields, e.g. `cpu_bytes=`, `slot_bytes=`, `lease_s=`."""
+    ray = _require_ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from kvmesh.directory import Directory
+
+    cfg = config or KVMeshConfig()
+    if redis_url is not None:
+        options["redis_url"] = redis_url
+    cfg = cfg.replace(**options)
+    d = Directory(cfg.redis_url, cfg.key_prefix, timeout_s=5)
+    try:
+        d.ping()
+    except Exception as e:
+        raise ConnectionError(f"kvmesh cannot reach its directory at {cfg.redis_url}: {e}") from None
+    finally:
+        d.close()
+    cls = kvnode_actor_class()
+    handles = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        node_id = node["NodeID"]
+        name = actor_name(node_id)
+        handles.append(cls.options(
+            name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
+            max_concurrency=32, max_restarts=-1, max_task_retries=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(cfg.to_dict(), node_id, name))
+    hellos = [NodeHello.unpack(h) for h in ray.get([h.hello.remote() for h in handles], timeout=timeout_s)]
+    return Mesh(cfg, tuple(h.info for h in hellos))
+
+
+def node_actors() -> dict[str, object]:
+    """node id -> actor handle, for every KVNode in the cluster."""
+    ray = _require_ray()
+    out = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == NAMESPACE and a["name"].startswith(ACTOR_PREFIX):
+            try:
+                out[a["name"][len(ACTOR_PREFIX):]] = ray.get_actor(a["name"], namespace=NAMESPACE)
+            except ValueError:
+                pass
+    return out
+
+
+def stop(timeout_s: float = 10.0) -> int:
+    """Shut down and remove every KVNode; returns how many there were."""
+    ray = _require_ray()
+    actors = node_actors()
+    refs = [h.shutdown.remote() for h in actors.values()]
+    try:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    except Exception:
+        pass
+    for h in actors.values():
+        try:
+            ray.kill(h, no_restart=True)
+        except Exception:
+            pass
+    return len(actors)

@@ -1,0 +1,307 @@
+"""`KVNode`: owns one Ray node's tiers and its directory registrations. A plain class; `mesh.py` wraps it as a
+Ray actor (threaded, so a long pull never blocks a pin). Every public method takes and returns wire messages
+(`wire.py`) or numpy buffers, validates them, and turns bad input into `WireError` rather than crashing.
+
+    hello() -> bytes                      NodeInfo, incarnation and config, for clients on this node
+    pin(PinRequest) -> PinReply           mutates: pins the leading run of held chunks for a same-node reader
+    unpin(pin_id)                         mutates
+    pull(PullRequest) -> (header, buf)    reads: the leading run of held chunks, verified, for a peer
+    store(StoreRequest, buf) -> int       mutates: places chunks in the CPU tier, registers them
+    report_corrupt(PinRequest) -> int     mutates: re-verifies the named chunks, drops the bad ones
+    stats() -> dict                       reads
+    shutdown()                            mutates: unregisters, leaves the directory, frees the slab
+
+A background thread heartbeats the node's lease, re-registers everything after the directory lost it, and
+releases pins whose reader vanished.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from collections import Counter, defaultdict
+
+import msgpack
+import numpy as np
+import redis
+
+from kvmesh.config import KVMeshConfig
+from kvmesh.directory import Directory, Lease
+from kvmesh.tiers import TIER_CPU, checksum
+from kvmesh.tiers.cpu import CpuTier
+from kvmesh.wire import (NodeInfo, PinnedChunk, WireError, pack_chunk_header, pack_pin_reply, unpack_keys,
+                         unpack_store)
+
+log = logging.getLogger("kvmesh.node")
+_SLAB_RE = re.compile(r"^kvmesh-(?P<node>[0-9a-f]+)-(?P<pid>\d+)-[0-9a-f]+$")
+
+
+def _remove_stale_slabs(shm_dir: str, node_tag: str) -> None:
+    """Unlink slabs this node's earlier, dead KVNode processes left behind (e.g. after SIGKILL)."""
+    for name in os.listdir(shm_dir):
+        m = _SLAB_RE.match(name)
+        if not m or m["node"] != node_tag:
+            continue
+        try:
+            os.kill(int(m["pid"]), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+            except OSError:
+                pass
+        except PermissionError:
+            pass
+
+
+class KVNode:
+    def __init__(self, config: KVMeshConfig | dict, node_id: str, actor_name: str = "") -> None:
+        self.config = config if isinstance(config, KVMeshConfig) else KVMeshConfig(**config)
+        self.node_id = node_id
+        self.stats_counts: Counter[str] = Counter()
+        self._lock = threading.Lock()  # guards the tier, pins and stats
+        self._pins: dict[int, tuple[list[int], float]] = {}  # pin id -> (slots, monotonic deadline)
+        self._pin_ids = itertools.count(1)
+        self._dirty = False  # a directory update failed; re-register everything on the next heartbeat
+        self.fenced = False  # a newer incarnation of this node exists; stop registering
+        cfg = self.config
+        node_tag = node_id[:16].lower()
+        os.makedirs(cfg.shm_dir, exist_ok=True)
+        _remove_stale_slabs(cfg.shm_dir, node_tag)
+        path = os.path.join(cfg.shm_dir, f"kvmesh-{node_tag}-{os.getpid()}-{secrets.token_hex(4)}")
+        self.tier = CpuTier(path, cfg.num_slots, cfg.slot_bytes)
+        self.info = NodeInfo(node_id, actor_name, path, cfg.num_slots * cfg.slot_bytes, cfg.slot_bytes)
+        self.directory = Directory(cfg.redis_url, cfg.key_prefix)
+        try:
+            self.lease: Lease = self.directory.join(self.info, self._lease_ms)
+        except Exception:
+            self.tier.close()
+            raise
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._maintain, name="kvmesh-node-heartbeat", daemon=True)
+        self._thread.start()
+        log.info("KVNode %s incarnation %d: %d slots of %d bytes at %s", node_id[:8], self.lease.incarnation,
+                 cfg.num_slots, cfg.slot_bytes, path)
+
+    @property
+    def _lease_ms(self) -> int:
+        return int(self.config.lease_s * 1000)
+
+    # -- same-node readers ---------------------------------------------------------------------------------------
+    def hello(self) -> bytes:
+        return msgpack.packb([1, self.info.pack(), self.lease.incarnation, self.config.to_dict()],
+                             use_bin_type=True)
+
+    def pin(self, request: bytes) -> bytes:
+        keys = unpack_keys(request, "PinRequest")
+        with self._lock:
+            slots = self.tier.pin(keys)
+            pin_id = next(self._pin_ids)
+            if slots:
+                self._pins[pin_id] = (slots, time.monotonic() + self.config.pin_ttl_s)
+            rows = [PinnedChunk(s, self.tier.record(s).nbytes, self.tier.record(s).checksum) for s in slots]
+            self.stats_counts["pins"] += 1
+            self.stats_counts["pinned_chunks"] += len(slots)
+        return pack_pin_reply(pin_id, rows, self.info.slab_path)
+
+    def unpin(self, pin_id: int) -> None:
+        if isinstance(pin_id, bool) or not isinstance(pin_id, int):
+            raise WireError(f"pin_id must be an int, got {type(pin_id).__name__}")
+        with self._lock:
+            entry = self._pins.pop(pin_id, None)
+            if entry is not None:
+                self.tier.unpin(entry[0])
+
+    def report_corrupt(self, request: bytes) -> int:
+        keys = unpack_keys(request, "PinRequest")
+        with self._lock:
+            slots = self.tier.pin(keys)
+        bad = []
+        try:
+            for s in slots:
+                if not self.tier.verify(s):
+                    bad.append(s)
+        finally:
+            with self._lock:
+                bad_chunks = [(self.tier.record(s).group, self.tier.record(s).key) for s in bad]
+                self.tier.unpin(slots)
+        self._drop(bad_chunks)
+        return len(bad_chunks)
+
+    # -- peers ---------------------------------------------------------------------------------------------------
+    def pull(self, request: bytes) -> tuple[bytes, np.ndarray]:
+        keys = unpack_keys(request, "PullRequest")
+        with self._lock:
+            slots = self.tier.pin(keys)
+            sizes = [self.tier.record(s).nbytes for s in slots]
+        out = np.empty(sum(sizes), dtype=np.uint8)
+        rows, bad, off = [], [], 0
+        try:
+            for s, n in zip(slots, sizes):
+                dst = out[off:off + n]
+                np.copyto(dst, np.frombuffer(self.tier.chunk_view(s), dtype=np.uint8))
+                c = checksum(dst)
+                if c != self.tier.record(s).checksum:
+                    bad.append(s)
+                    break
+                rows.append((n, c))
+                off += n
+        finally:
+            with self._lock:
+                bad_chunks = [(self.tier.record(s).group, self.tier.record(s).key) for s in bad]
+                self.tier.unpin(slots)
+                self.stats_counts["pulls"] += 1
+                self.stats_counts["pulled_chunks"] += len(rows)
+                self.stats_counts["pulled_bytes"] += off
+        self._drop(bad_chunks)
+        return pack_chunk_header(rows), out[:off]
+
+    # -- stores --------------------------------------------------------------------------------------------------
+    def store(self, request: bytes, data) -> int:
+        items = unpack_store(request)
+        buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+        if buf.dtype != np.uint8 or buf.ndim != 1 or buf.size != sum(i.nbytes for i in items):
+            raise WireError("StoreRequest: buffer size does not match the header")
+        offsets = list(itertools.accumulate((i.nbytes for i in items), initial=0))
+        stored: dict[bytes, list[bytes]] = defaultdict(list)
+        evicted: list[tuple[bytes, bytes]] = []
+        counts: Counter[str] = Counter()
+        # Last chunk first: the policy then holds a prompt's head as most recent, so eviction trims tails.
+        for idx in range(len(items) - 1, -1, -1):
+            item = items[idx]
+            if item.nbytes > self.tier.slot_bytes:
+                counts["store_refused_too_big"] += 1
+                continue
+            with self._lock:
+                ticket = self.tier.prepare_store(item.key, item.group, item.nbytes)
+            if ticket is None:
+                counts["store_skipped" if self.tier.slot_of(item.key) is not None else "store_refused_full"] += 1
+                continue
+            dst = np.frombuffer(self.tier.buffer(ticket.slot), dtype=np.uint8)[: item.nbytes]
+            np.copyto(dst, buf[offsets[idx]:offsets[idx + 1]])
+            ok = checksum(dst) == item.checksum
+            with self._lock:
+                if ok:
+                    self.tier.complete_store(ticket, item.checksum)
+                else:
+                    self.tier.abort_store(ticket)
+            evicted.extend(ticket.evicted)
+            if ok:
+                stored[item.group].append(item.key)
+                counts["stored_chunks"] += 1
+            else:
+                counts["store_corrupt_in_transit"] += 1
+        counts["evictions"] += len(evicted)
+        with self._lock:
+            self.stats_counts.update(counts)
+        self._directory_update(evicted, stored)
+        return counts["stored_chunks"]
+
+    def _drop(self, chunks: list[tuple[bytes, bytes]]) -> None:
+        """Forget corrupt chunks: out of the tier and out of the directory."""
+        if not chunks:
+            return
+        with self._lock:
+            for _group, key in chunks:
+                self.tier.discard(key)
+            self.stats_counts["corrupt_dropped"] += len(chunks)
+        log.warning("KVNode %s dropped %d corrupt chunk(s)", self.node_id[:8], len(chunks))
+        self._directory_update(chunks, {})
+
+    def _directory_update(self, removed: list[tuple[bytes, bytes]], added: dict[bytes, list[bytes]]) -> None:
+        if self.fenced:
+            return
+        by_group: dict[bytes, list[bytes]] = defaultdict(list)
+        for group, key in removed:
+            by_group[group].append(key)
+        try:
+            for group, keys in by_group.items():
+                self.directory.unregister(self.lease, group, keys)
+            for group, keys in added.items():
+                self.directory.register(self.lease, TIER_CPU, group, keys)
+        except redis.RedisError as e:
+            self._dirty = True
+            with self._lock:
+                self.stats_counts["directory_errors"] += 1
+            log.warning("KVNode %s: directory update failed (%s); will re-register", self.node_id[:8], e)
+
+    # -- maintenance ---------------------------------------------------------------------------------------------
+    def _maintain(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_s):
+            self._expire_pins()
+            if self.fenced:
+                continue
+            try:
+                state = self.directory.heartbeat(self.lease, self._lease_ms)
+                if state == "resync":
+                    self._resync()
+                elif state == "fenced":
+                    self.fenced = True
+                    log.warning("KVNode %s incarnation %d was superseded; no longer registering",
+                                self.node_id[:8], self.lease.incarnation)
+                elif self._dirty:
+                    self._reregister()
+            except redis.RedisError as e:
+                with self._lock:
+                    self.stats_counts["directory_errors"] += 1
+                log.debug("heartbeat failed: %s", e)
+
+    def _expire_pins(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for pin_id in [p for p, (_, deadline) in self._pins.items() if deadline < now]:
+                self.tier.unpin(self._pins.pop(pin_id)[0])
+                self.stats_counts["pins_expired"] += 1
+
+    def _resync(self) -> None:
+        """The directory lost this node (restarted empty, or failed over): re-join under a new incarnation so
+        nothing registered before can be mistaken for current, then register everything held."""
+        self.lease = self.directory.join(self.info, self._lease_ms)
+        with self._lock:
+            self.stats_counts["resyncs"] += 1
+        log.warning("KVNode %s re-joined the directory as incarnation %d", self.node_id[:8], self.lease.incarnation)
+        self._reregister()
+
+    def _reregister(self) -> None:
+        self._dirty = False
+        with self._lock:
+            chunks = self.tier.ready_chunks()
+        groups: dict[bytes, list[bytes]] = defaultdict(list)
+        for group, key in chunks:
+            groups[group].append(key)
+        try:
+            self.directory.register_many(self.lease, TIER_CPU, groups)
+        except redis.RedisError:
+            self._dirty = True
+            raise
+
+    def stats(self) -> dict:
+        with self._lock:
+            d = dict(self.stats_counts)
+            d.update(node_id=self.node_id, incarnation=self.lease.incarnation, chunks=len(self.tier),
+                     used_bytes=self.tier.used_bytes, capacity_bytes=self.tier.num_slots * self.tier.slot_bytes,
+                     pinned=sum(len(s) for s, _ in self._pins.values()), fenced=self.fenced)
+        return d
+
+    def check_integrity(self, verify_checksums: bool = True) -> None:
+        with self._lock:
+            self.tier.check_integrity(verify_checksums=verify_checksums)
+
+    def shutdown(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            with self._lock:
+                chunks = self.tier.ready_chunks()
+            self._directory_update(chunks, {})
+            self.directory.leave(self.lease)
+        except redis.RedisError:
+            pass  # the lease lapses on its own
+        self.directory.close()
+        self.tier.close()

@@ -1,0 +1,172 @@
+"""Messages between workers and KVNodes, and the node record kept in the directory.
+
+Every message is a msgpack array whose first element is its version. Fields are only ever appended; a decoder
+accepts longer arrays of its version and ignores the extra fields. Decoders check every field they use and raise
+`WireError` (a `ValueError`) on anything malformed, so a bad message can never crash a KVNode. Bulk chunk bytes
+travel beside the header as one contiguous uint8 buffer, chunks back to back in header order; never pickled.
+
+    NodeInfo      [1, node_id, actor_name, slab_path, slab_bytes, slot_bytes]
+    PinRequest    [1, [key, ...]]
+    PinReply      [1, pin_id, [[slot, nbytes, checksum], ...], slab_path]   leading chunks, pinned
+    PullRequest   [1, [key, ...]]
+    PullReply     [1, [[nbytes, checksum], ...]]  + buffer              leading chunks found and verified
+    StoreRequest  [1, [[group, key, nbytes, checksum], ...]] + buffer
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import msgpack
+
+from kvmesh.hashing import HASH_BYTES
+
+VERSION = 1
+MAX_KEYS = 1 << 16  # chunks per message; a 16 M-token prompt at 256 tokens per chunk
+
+
+class WireError(ValueError):
+    """A malformed message."""
+
+
+def _unpack(data, what: str) -> list:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"{what}: expected bytes, got {type(data).__name__}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=1 << 24, max_str_len=1 << 16,
+                              max_array_len=MAX_KEYS * 4)
+    except Exception as e:
+        raise WireError(f"{what}: not msgpack ({e})") from None
+    if not isinstance(obj, list) or not obj:
+        raise WireError(f"{what}: expected a non-empty array")
+    if obj[0] != VERSION:
+        raise WireError(f"{what}: unsupported version {obj[0]!r}")
+    return obj
+
+
+def _field(obj: list, i: int, typ, what: str):
+    if len(obj) <= i:
+        raise WireError(f"{what}: missing field {i}")
+    v = obj[i]
+    if typ is int:
+        ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    else:
+        ok = isinstance(v, typ)
+    if not ok:
+        raise WireError(f"{what}: field {i} must be {typ.__name__}, got {type(v).__name__}")
+    return v
+
+
+def _keys(v, what: str) -> list[bytes]:
+    if not isinstance(v, list) or len(v) > MAX_KEYS:
+        raise WireError(f"{what}: keys must be a list of at most {MAX_KEYS}")
+    for k in v:
+        if not isinstance(k, bytes) or len(k) != HASH_BYTES:
+            raise WireError(f"{what}: every key must be {HASH_BYTES} bytes")
+    return v
+
+
+def _rows(v, width: int, what: str) -> list[list]:
+    if not isinstance(v, list) or len(v) > MAX_KEYS:
+        raise WireError(f"{what}: rows must be a list of at most {MAX_KEYS}")
+    for r in v:
+        if not isinstance(r, list) or len(r) < width:
+            raise WireError(f"{what}: every row must have {width} fields")
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    node_id: str
+    actor_name: str
+    slab_path: str
+    slab_bytes: int
+    slot_bytes: int
+    incarnation: int = 0  # not on the wire: the directory keeps it beside the record
+
+    def pack(self) -> bytes:
+        return msgpack.packb([VERSION, self.node_id, self.actor_name, self.slab_path, self.slab_bytes,
+                              self.slot_bytes], use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, data, incarnation: int = 0) -> "NodeInfo":
+        o = _unpack(data, "NodeInfo")
+        return cls(_field(o, 1, str, "NodeInfo"), _field(o, 2, str, "NodeInfo"), _field(o, 3, str, "NodeInfo"),
+                   _field(o, 4, int, "NodeInfo"), _field(o, 5, int, "NodeInfo"), incarnation)
+
+    def with_incarnation(self, incarnation: int) -> "NodeInfo":
+        return replace(self, incarnation=incarnation)
+
+
+def pack_keys(keys: list[bytes]) -> bytes:
+    """PinRequest and PullRequest."""
+    return msgpack.packb([VERSION, list(keys)], use_bin_type=True)
+
+
+def unpack_keys(data, what: str = "request") -> list[bytes]:
+    return _keys(_field(_unpack(data, what), 1, list, what), what)
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedChunk:
+    slot: int
+    nbytes: int
+    checksum: int
+
+
+def pack_pin_reply(pin_id: int, chunks: list[PinnedChunk], slab_path: str) -> bytes:
+    return msgpack.packb([VERSION, pin_id, [[c.slot, c.nbytes, c.checksum] for c in chunks], slab_path])
+
+
+def unpack_pin_reply(data) -> tuple[int, list[PinnedChunk], str]:
+    """(pin id, pinned chunks, path of the slab the slots index)."""
+    o = _unpack(data, "PinReply")
+    rows = _rows(_field(o, 2, list, "PinReply"), 3, "PinReply")
+    for r in rows:
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in r[:3]):
+            raise WireError("PinReply: slots, sizes and checksums must be non-negative ints")
+    return (_field(o, 1, int, "PinReply"), [PinnedChunk(r[0], r[1], r[2]) for r in rows],
+            _field(o, 3, str, "PinReply"))
+
+
+def pack_chunk_header(rows: list[tuple[int, int]]) -> bytes:
+    """PullReply header: (nbytes, checksum) per chunk."""
+    return msgpack.packb([VERSION, [list(r) for r in rows]])
+
+
+def unpack_chunk_header(data) -> list[tuple[int, int]]:
+    o = _unpack(data, "PullReply")
+    rows = _rows(_field(o, 1, list, "PullReply"), 2, "PullReply")
+    out = []
+    for r in rows:
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in r[:2]):
+            raise WireError("PullReply: sizes and checksums must be non-negative ints")
+        out.append((r[0], r[1]))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class StoreItem:
+    group: bytes
+    key: bytes
+    nbytes: int
+    checksum: int
+
+
+def pack_store(items: list[StoreItem]) -> bytes:
+    return msgpack.packb([VERSION, [[i.group, i.key, i.nbytes, i.checksum] for i in items]], use_bin_type=True)
+
+
+def unpack_store(data) -> list[StoreItem]:
+    o = _unpack(data, "StoreRequest")
+    rows = _rows(_field(o, 1, list, "StoreRequest"), 4, "StoreRequest")
+    out = []
+    for r in rows:
+        g, k, n, c = r[:4]
+        if not (isinstance(g, bytes) and len(g) == HASH_BYTES and isinstance(k, bytes) and len(k) == HASH_BYTES):
+            raise WireError("StoreRequest: group and key must be 16 bytes")
+        if not (isinstance(n, int) and not isinstance(n, bool) and n > 0 and isinstance(c, int)
+                and not isinstance(c, bool) and c >= 0):
+            raise WireError("StoreRequest: nbytes must be a positive int and checksum a non-negative int")
+        out.append(StoreItem(g, k, n, c))
+    return out

@@ -103,8 +103,8 @@ def run_demo(o: DemoOptions, out=print) -> dict:
         def serve(use_kvmesh: bool) -> tuple[list[dict], float]:
             t0 = time.perf_counter()
             res = []
-            for i, (_d, _q, prompt) in enumerate(requests):
-                res.append(ray.get(workers[(i + i // o.docs) % len(workers)].run.remote(prompt, use_kvmesh)))
+            for d, q, prompt in requests:  # document d's q-th question goes to worker d + q: a new node each time
+                res.append(ray.get(workers[(d + q) % len(workers)].run.remote(prompt, use_kvmesh)))
             return res, time.perf_counter() - t0
 
         base, base_s = serve(False)

@@ -3,7 +3,7 @@
 Key layout (`P` is the configured key prefix):
 
     P:{n}:epoch            string   random id of this directory's lifetime; a Redis that restarted empty has none
-    P:{n}:counter          string   INCR source of node incarnations
+    P:{n}:counter          string   INCR source of node incarnations, seeded from Redis's clock (ms)
     P:{n}:inc              hash     node_id -> current incarnation
     P:{n}:deadline         hash     node_id -> lease deadline, ms on Redis's own clock
     P:{n}:info             hash     node_id -> msgpack NodeInfo (wire.py)
@@ -44,13 +44,17 @@ from kvmesh.wire import NodeInfo
 HOLDERS_VERSION = 1
 MAX_HOLDERS = 8  # per chunk; a longer list drops its oldest entries
 
+# The incarnation counter starts at Redis's clock in ms, so a Redis that restarted empty never hands out an
+# incarnation it issued before (unless nodes joined faster than one per ms for its whole previous life).
 _JOIN = """
 redis.call('SET', KEYS[1], ARGV[2], 'NX')
 local epoch = redis.call('GET', KEYS[1])
-local inc = redis.call('INCR', KEYS[2])
 local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('SET', KEYS[2], now, 'NX')
+local inc = redis.call('INCR', KEYS[2])
 redis.call('HSET', KEYS[3], ARGV[1], inc)
-redis.call('HSET', KEYS[4], ARGV[1], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[3]))
+redis.call('HSET', KEYS[4], ARGV[1], now + tonumber(ARGV[3]))
 redis.call('HSET', KEYS[5], ARGV[1], ARGV[4])
 return {epoch, inc}
 """

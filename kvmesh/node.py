@@ -282,7 +282,7 @@ class KVNode:
     def stats(self) -> dict:
         with self._lock:
             d = dict(self.stats_counts)
-            d.update(node_id=self.node_id, incarnation=self.lease.incarnation, chunks=len(self.tier),
+            d.update(node_id=self.node_id, pid=os.getpid(), incarnation=self.lease.incarnation, chunks=len(self.tier),
                      used_bytes=self.tier.used_bytes, capacity_bytes=self.tier.num_slots * self.tier.slot_bytes,
                      pinned=sum(len(s) for s, _ in self._pins.values()), fenced=self.fenced)
         return d

@@ -1,0 +1,120 @@
+"""KVNode as a plain class (no Ray) against a real redis-server: store, pin, pull, corruption, resync."""
+
+import numpy as np
+import pytest
+import redis
+
+from kvmesh.config import KVMeshConfig
+from kvmesh.directory import Directory
+from kvmesh.node import KVNode
+from kvmesh.tiers import checksum
+from kvmesh.wire import StoreItem, WireError, pack_keys, pack_store, unpack_chunk_header, unpack_pin_reply
+from tests.conftest import wait_until
+
+SLOT = 4096
+G = b"g" * 16
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+@pytest.fixture
+def node(redis_server, tmp_path):
+    redis.Redis.from_url(redis_server.url).flushall()
+    cfg = KVMeshConfig(redis_url=redis_server.url, key_prefix="tn", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
+                       lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path))
+    n = KVNode(cfg, "node-a" * 4, "kvnode-a")
+    yield n
+    n.shutdown()
+
+
+def chunks(*ids: int, size: int = SLOT) -> tuple[bytes, np.ndarray]:
+    datas = [np.full(size, i % 251, dtype=np.uint8) for i in ids]
+    items = [StoreItem(G, k(i), size, checksum(d)) for i, d in zip(ids, datas)]
+    return pack_store(items), np.concatenate(datas)
+
+
+def lookup(node: KVNode, ids) -> list:
+    d = node.directory
+    return d.longest_prefix(d.lookup_raw(G, [k(i) for i in ids]), d.node_table())
+
+
+def test_store_registers_and_pull_returns_verified_bytes(node):
+    assert node.store(*chunks(1, 2, 3)) == 3
+    assert node.store(*chunks(2, 3)) == 0  # already held
+    assert len(lookup(node, [1, 2, 3, 4])) == 3
+    header, data = node.pull(pack_keys([k(1), k(2), k(7), k(3)]))
+    rows = unpack_chunk_header(header)
+    assert len(rows) == 2 and data.size == 2 * SLOT  # stops at the first chunk it does not hold
+    assert (data[:SLOT] == 1).all() and (data[SLOT:] == 2).all()
+    node.check_integrity()
+
+
+def test_pins_protect_a_same_node_read_and_expire(node):
+    node.store(*chunks(1))
+    pin_id, rows, path = unpack_pin_reply(node.pin(pack_keys([k(1)])))
+    assert path == node.info.slab_path and len(rows) == 1
+    assert node.stats()["pinned"] == 1
+    node.unpin(pin_id)
+    assert node.stats()["pinned"] == 0
+    node.config = node.config.replace(pin_ttl_s=0.1)
+    node.pin(pack_keys([k(1)]))  # a reader that never unpins
+    wait_until(lambda: node.stats()["pinned"] == 0, 3)
+
+
+def test_a_corrupt_chunk_is_never_served_and_is_unregistered(node):
+    node.store(*chunks(1, 2, 3))
+    slot = node.tier.slot_of(k(2))
+    node.tier.buffer(slot)[100] ^= 0x01  # a single bit flip in host memory
+    header, data = node.pull(pack_keys([k(1), k(2), k(3)]))
+    assert len(unpack_chunk_header(header)) == 1 and data.size == SLOT
+    assert node.tier.slot_of(k(2)) is None
+    assert len(lookup(node, [1, 2, 3])) == 1
+    assert node.stats()["corrupt_dropped"] == 1
+
+
+def test_a_store_that_was_corrupted_in_transit_is_refused(node):
+    req, data = chunks(1, 2)
+    data[SLOT + 7] ^= 0xFF
+    assert node.store(req, data) == 1
+    assert node.tier.slot_of(k(2)) is None and node.stats()["store_corrupt_in_transit"] == 1
+
+
+def test_eviction_unregisters_and_keeps_prefix_heads(node):
+    node.store(*chunks(*range(1, 9)))  # fills all 8 slots
+    node.store(*chunks(*range(11, 15)))  # 4 more: evicts 4 of the first prompt's tail chunks
+    assert len(lookup(node, range(1, 9))) == 4  # the head 1..4 survives
+    assert node.stats()["evictions"] == 4
+    node.check_integrity()
+
+
+def test_bad_messages_raise_wire_error_and_the_node_keeps_serving(node):
+    for bad in (b"junk", pack_keys([b"short"]), 42):
+        with pytest.raises(WireError):
+            node.pin(bad)
+        with pytest.raises(WireError):
+            node.pull(bad)
+    req, data = chunks(1)
+    with pytest.raises(WireError):
+        node.store(req, data[:-1])
+    with pytest.raises(WireError):
+        node.unpin("x")
+    assert node.store(req, data) == 1
+
+
+def test_chunks_bigger_than_a_slot_are_refused(node):
+    assert node.store(*chunks(1, size=SLOT + 1)) == 0
+    assert node.stats()["store_refused_too_big"] == 1
+
+
+def test_redis_restart_empty_triggers_resync_under_a_new_incarnation(node, redis_server):
+    node.store(*chunks(1, 2))
+    old = node.lease.incarnation
+    redis_server.restart()
+    d = Directory(redis_server.url, "tn")
+    assert d.longest_prefix(d.lookup_raw(G, [k(1)]), d.node_table()) == []  # nothing stale in the gap
+    wait_until(lambda: node.lease.incarnation != old and len(lookup(node, [1, 2])) == 2, 5)
+    assert lookup(node, [1])[0][0].incarnation == node.lease.incarnation
+    assert node.stats()["resyncs"] == 1
+    d.close()

@@ -1,0 +1,112 @@
+"""CPU tier: 4-slot stories with small integer-named keys."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvmesh.tiers import checksum
+from kvmesh.tiers.cpu import CpuTier, SlabReader
+
+SLOT = 64
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+@pytest.fixture
+def tier(tmp_path):
+    t = CpuTier(str(tmp_path / "slab"), num_slots=4, slot_bytes=SLOT)
+    yield t
+    t.close()
+
+
+def put(tier: CpuTier, i: int, fill: int | None = None, group: bytes = b"g" * 16):
+    ticket = tier.prepare_store(key(i), group, SLOT)
+    if ticket is None:
+        return None
+    data = bytes([fill if fill is not None else i % 256]) * SLOT
+    tier.buffer(ticket.slot)[:SLOT] = data
+    tier.complete_store(ticket, checksum(data))
+    return ticket
+
+
+def test_store_and_pin_the_leading_run(tier):
+    for i in (1, 2, 3):
+        put(tier, i)
+    assert len(tier) == 3
+    slots = tier.pin([key(1), key(2), key(9), key(3)])  # stops at the first missing chunk
+    assert len(slots) == 2
+    assert bytes(tier.chunk_view(slots[1])) == bytes([2]) * SLOT
+    tier.unpin(slots)
+    tier.check_integrity(verify_checksums=True)
+
+
+def test_storing_a_held_key_is_refused(tier):
+    put(tier, 1)
+    assert tier.prepare_store(key(1), b"g" * 16, SLOT) is None
+
+
+def test_full_tier_evicts_least_recent_and_never_a_pinned_slot(tier):
+    for i in (1, 2, 3, 4):
+        put(tier, i)
+    pinned = tier.pin([key(1)])  # 1 is now most recent and pinned
+    t = put(tier, 5)  # evicts 2, the least recent
+    assert [k for _g, k in t.evicted] == [key(2)]
+    assert tier.slot_of(key(2)) is None and tier.slot_of(key(5)) is not None
+    tier.pin([key(3)]), tier.pin([key(4)]), tier.pin([key(5)])
+    assert put(tier, 6) is None  # every slot pinned: refused, nothing changed
+    assert len(tier) == 4
+    tier.unpin(pinned)
+    assert [k for _g, k in put(tier, 6).evicted] == [key(1)]
+    tier.check_integrity()
+
+
+def test_a_slot_being_written_is_invisible_and_unevictable(tier):
+    ticket = tier.prepare_store(key(1), b"g" * 16, SLOT)
+    assert tier.pin([key(1)]) == []
+    for i in (2, 3, 4):
+        put(tier, i)
+    assert put(tier, 5) is not None  # evicted 2, not the slot being written
+    tier.abort_store(ticket)
+    assert tier.slot_of(key(1)) is None
+    tier.check_integrity()
+
+
+def test_checksum_detects_corruption_and_discard_waits_for_readers(tier):
+    put(tier, 1)
+    slot = tier.pin([key(1)])[0]
+    tier.buffer(slot)[5] ^= 0xFF  # a bit flip in memory
+    assert not tier.verify(slot)
+    with pytest.raises(AssertionError):
+        tier.check_integrity(verify_checksums=True)
+    tier.discard(key(1))
+    assert tier.pin([key(1)]) == []  # no new reader gets it
+    assert tier.record(slot).key == key(1)  # but the pinned reader still owns the slot
+    tier.unpin([slot])
+    assert tier.slot_of(key(1)) is None and len(tier) == 0
+    tier.check_integrity()
+
+
+def test_another_process_reads_the_slab_through_shared_memory(tier):
+    put(tier, 7, fill=0xAB)
+    slot = tier.slot_of(key(7))
+    code = (f"from kvmesh.tiers.cpu import SlabReader; r = SlabReader({tier.path!r}, {4 * SLOT}); "
+            f"print(bytes(r.view({slot * SLOT}, {SLOT})).hex())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert bytes.fromhex(out) == bytes([0xAB]) * SLOT
+    r = SlabReader(tier.path, 4 * SLOT)
+    with pytest.raises(TypeError):
+        r.view(0, SLOT)[0] = 1  # readers map the slab read-only
+    r.close()
+
+
+def test_close_removes_the_slab(tmp_path):
+    t = CpuTier(str(tmp_path / "s2"), 2, SLOT)
+    assert os.path.exists(t.path)
+    t.close()
+    assert not os.path.exists(t.path)
+    assert np.frombuffer(b"x", dtype=np.uint8).size == 1

@@ -134,12 +134,9 @@ class KVMeshClient:
             return []
         table = self._current_table()
         if prefix_only:
-            rows = self.directory.longest_prefix(values, table)
-        else:
-            rows = [self.directory.longest_prefix([v], table)[:1] for v in values]
-            rows = [r[0] if r else () for r in rows]
-        me = self.node_id
-        return [tuple(sorted(hs, key=lambda h: (h.tier, h.node_id != me))) for hs in rows]
+            return self.directory.longest_prefix(values, table, prefer=self.node_id)
+        return [r[0] if (r := self.directory.longest_prefix([v], table, prefer=self.node_id)) else ()
+                for v in values]
 
     def _current_table(self) -> NodeTable:
         """The node table with leases judged at this moment (Redis's clock advanced by our elapsed time)."""

@@ -7,11 +7,14 @@ Key layout (`P` is the configured key prefix):
     P:{n}:inc              hash     node_id -> current incarnation
     P:{n}:deadline         hash     node_id -> lease deadline, ms on Redis's own clock
     P:{n}:info             hash     node_id -> msgpack NodeInfo (wire.py)
-    P:g:{<h1 hex>}         hash     chunk hash (16 raw bytes) -> msgpack [1, [inc, tier], [inc, tier], ...]
+    P:g:{<h1 hex>}         hash     chunk hash, first 8 bytes -> msgpack [1, [inc, tier], [inc, tier], ...]
 
 All node keys share the hash tag `{n}`, so the node table is read in one round trip and the scripts that change it
 touch one Redis Cluster slot. A prompt's chunks all live in the group of its first chunk's hash h_1 (tag
 `{<h1 hex>}`): one lookup is one HMGET on one slot, while prompts with different first chunks spread over slots.
+Fields are the first 8 bytes of a chunk hash: within one group (one tenant, one first chunk) a collision is a
+2^-64 event, and even then it only makes a lookup name a holder that, asked by the full hash, does not have the
+chunk. Halving the field halves what every lookup sends and what every entry costs in Redis.
 
 Holder entries name an incarnation, never just a node. An entry is live only while its incarnation is the node's
 current one and that node's lease deadline has not passed; readers drop everything else, so entries of dead or
@@ -30,11 +33,13 @@ Primitives:
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from dataclasses import dataclass
 
 import msgpack
+import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -149,6 +154,30 @@ class NodeTable:
         return {info.node_id: info for info in self.live.values()}
 
 
+FIELD_BYTES = 8
+_FIELD_HEAD = np.frombuffer(b"$%d\r\n" % FIELD_BYTES, dtype=np.uint8)
+_CRLF = np.frombuffer(b"\r\n", dtype=np.uint8)
+
+
+def fields(hashes: list[bytes]) -> list[bytes]:
+    return [h[:FIELD_BYTES] for h in hashes]
+
+
+def pack_hmget(key: str, hashes: list[bytes]) -> bytes:
+    """RESP encoding of `HMGET key f1 f2 ...` with the fields of 16-byte chunk hashes, built in one numpy pass:
+    packing 512 arguments one by one costs as much as the round trip itself."""
+    n = len(hashes)
+    k = key.encode()
+    joined = b"".join(hashes)
+    assert len(joined) == 16 * n, "chunk hashes are 16 bytes"
+    h = len(_FIELD_HEAD)
+    body = np.empty((n, h + FIELD_BYTES + 2), dtype=np.uint8)
+    body[:, :h] = _FIELD_HEAD
+    body[:, h:h + FIELD_BYTES] = np.frombuffer(joined, dtype=np.uint8).reshape(n, 16)[:, :FIELD_BYTES]
+    body[:, h + FIELD_BYTES:] = _CRLF
+    return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (n + 2, len(k), k) + body.tobytes()
+
+
 class Directory:
     def __init__(self, url: str, prefix: str = "kvmesh", timeout_s: float = 2.0) -> None:
         self.url = url
@@ -166,6 +195,8 @@ class Directory:
         self._unregister = self._redis.register_script(_UNREGISTER)
         self._holders_cache: dict[bytes, tuple[tuple[int, int], ...]] = {}
         self._cache_lock = threading.Lock()
+        self._local = threading.local()  # per-thread lookup connection: no pool round trip on the hot path
+        self._thread_conns: list = []
 
     def group_key(self, group: bytes) -> str:
         return f"{self.prefix}:g:{{{group.hex()}}}"
@@ -205,22 +236,38 @@ class Directory:
     # -- holders ------------------------------------------------------------------------------------------------
     def register(self, lease: Lease, tier: int, group: bytes, hashes: list[bytes]) -> None:
         if hashes:
-            self._register(keys=[self.group_key(group)], args=[lease.incarnation, tier, MAX_HOLDERS, *hashes])
+            self._register(keys=[self.group_key(group)],
+                           args=[lease.incarnation, tier, MAX_HOLDERS, *fields(hashes)])
 
     def unregister(self, lease: Lease, group: bytes, hashes: list[bytes]) -> None:
         if hashes:
-            self._unregister(keys=[self.group_key(group)], args=[lease.incarnation, *hashes])
+            self._unregister(keys=[self.group_key(group)], args=[lease.incarnation, *fields(hashes)])
 
     def register_many(self, lease: Lease, tier: int, groups: dict[bytes, list[bytes]]) -> None:
         """Register several groups in one pipelined round trip (used on resync)."""
         pipe = self._redis.pipeline(transaction=False)
         for group, hashes in groups.items():
-            self._register(keys=[self.group_key(group)], args=[lease.incarnation, tier, MAX_HOLDERS, *hashes],
-                           client=pipe)
+            self._register(keys=[self.group_key(group)],
+                           args=[lease.incarnation, tier, MAX_HOLDERS, *fields(hashes)], client=pipe)
         pipe.execute()
 
     def lookup_raw(self, group: bytes, hashes: list[bytes]) -> list[bytes | None]:
-        return self._redis.execute_command("HMGET", self.group_key(group), *hashes)
+        """One HMGET of the group's entries for `hashes`, on this thread's own connection (no pool round trip on
+        the hot path)."""
+        conn = self._thread_connection()
+        try:
+            conn.send_packed_command([pack_hmget(self.group_key(group), hashes)], check_health=False)
+            return conn.read_response()
+        except BaseException:
+            conn.disconnect()  # reconnects on the next command
+            raise
+
+    def _thread_connection(self):
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._redis.connection_pool.make_connection()
+            self._thread_conns.append(conn)
+        return conn
 
     def decode_holders(self, value: bytes) -> tuple[tuple[int, int], ...]:
         """(incarnation, tier) pairs of one entry. Entries repeat across a prompt's chunks, so decode once."""
@@ -237,21 +284,24 @@ class Directory:
                 self._holders_cache[value] = hit
         return hit
 
-    def longest_prefix(self, values: list[bytes | None], table: NodeTable) -> list[tuple[Holder, ...]]:
-        """Holders of each leading chunk that has at least one live holder, best tier first."""
-        out = []
-        for v in values:
+    def longest_prefix(self, values: list[bytes | None], table: NodeTable,
+                       prefer: str | None = None) -> list[tuple[Holder, ...]]:
+        """Holders of each leading chunk that has at least one live holder: best tier first, and on a tie the
+        node `prefer` (the caller's own) first. Runs of chunks share one entry value, so each distinct value is
+        decoded and filtered once per call."""
+        out: list[tuple[Holder, ...]] = []
+        memo: dict[bytes, tuple[Holder, ...]] = {}
+        for v, run in itertools.groupby(values):  # C-level grouping: Python work per run, not per chunk
             if v is None:
                 break
-            hs = []
-            for inc, tier in self.decode_holders(v):
-                info = table.live.get(inc)
-                if info is not None:
-                    hs.append(Holder(info.node_id, inc, tier))
-            if not hs:
+            row = memo.get(v)
+            if row is None:
+                hs = [Holder(info.node_id, inc, tier) for inc, tier in self.decode_holders(v)
+                      if (info := table.live.get(inc)) is not None]
+                row = memo[v] = tuple(sorted(hs, key=lambda h: (h.tier, h.node_id != prefer)))
+            if not row:
                 break
-            hs.sort(key=lambda h: h.tier)
-            out.append(tuple(hs))
+            out.extend([row] * len(list(run)))
         return out
 
     # -- maintenance --------------------------------------------------------------------------------------------
@@ -269,4 +319,6 @@ class Directory:
             assert NodeInfo.unpack(infos[node], int(inc)).node_id == node.decode(), f"node {node!r} info mismatch"
 
     def close(self) -> None:
+        for conn in self._thread_conns:
+            conn.disconnect()
         self._redis.close()

@@ -1,0 +1,212 @@
+"""Core benchmark (not run in CI). Each figure is a ratio to a baseline measured in the same run:
+
+  (a) lookup of a 512-chunk prompt vs one Redis GET round trip                      goal <= 2x
+  (b) cross-node fetch throughput vs a raw loopback TCP stream between two processes  goal >= 0.8
+  (c) same-node fetch throughput vs memcpy of the same bytes                        goal >= 0.5
+
+Run: .venv/bin/python bench/core.py [--fetch-mib 256] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import numpy as np  # noqa: E402
+
+from bench.common import median_time, save  # noqa: E402
+
+MiB = 1 << 20
+
+TCP_SERVER = r"""
+import socket, sys
+n, block = int(sys.argv[1]), int(sys.argv[2])
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("127.0.0.1", 0)); s.listen(1)
+print(s.getsockname()[1], flush=True)
+buf = bytearray(block)
+while True:
+    c, _ = s.accept()
+    if c.recv(1) != b"g":
+        break
+    left = n
+    while left:
+        k = min(block, left); c.sendall(memoryview(buf)[:k]); left -= k
+    c.close()
+"""
+
+
+def tcp_baseline(nbytes: int, repeat: int, block: int = 4 * MiB) -> float:
+    """GB/s of one loopback TCP stream between two processes (sendall / recv_into, 4 MiB blocks)."""
+    srv = subprocess.Popen([sys.executable, "-c", TCP_SERVER, str(nbytes), str(block)], stdout=subprocess.PIPE,
+                           text=True)
+    port = int(srv.stdout.readline())
+    dst = np.empty(nbytes, dtype=np.uint8)
+    mv = memoryview(dst)
+
+    def once():
+        c = socket.create_connection(("127.0.0.1", port))
+        c.sendall(b"g")
+        got = 0
+        while got < nbytes:
+            k = c.recv_into(mv[got:], min(block, nbytes - got))
+            if not k:
+                raise RuntimeError("short read")
+            got += k
+        c.close()
+
+    t = median_time(once, repeat, warmup=1)
+    c = socket.create_connection(("127.0.0.1", port))
+    c.sendall(b"x")
+    c.close()
+    srv.wait(timeout=10)
+    return nbytes / t / 1e9
+
+
+def memcpy_baseline(nbytes: int, repeat: int) -> float:
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    t = median_time(lambda: np.copyto(dst, src), repeat)
+    return nbytes / t / 1e9
+
+
+def bench_lookup(redis_url: str, repeat: int) -> dict:
+    import redis
+
+    import kvmesh
+    from kvmesh.config import KVMeshConfig
+    from kvmesh.directory import Directory
+    from kvmesh.tiers import TIER_CPU
+    from kvmesh.wire import NodeInfo
+
+    spec = kvmesh.KVSpec("bench-lookup", 32, 8, 128, "bfloat16", chunk_tokens=256)
+    d = Directory(redis_url, "bench")
+    lease = d.join(NodeInfo("bench-node", "x", "/dev/null", 1, 1), 600_000)
+    toks = np.random.default_rng(1).integers(0, 128_000, 512 * 256)
+    from kvmesh.hashing import as_tokens, chunk_hashes
+
+    hashes = chunk_hashes(spec.namespace, as_tokens(toks), 256)
+    d.register(lease, TIER_CPU, hashes[0], hashes)
+    r = redis.Redis.from_url(redis_url)
+    r.set("bench:get", b"x" * 16)
+    table = d.node_table()
+    get_redispy_s = median_time(lambda: r.get("bench:get"), repeat * 200)
+    # the stricter baseline: a GET on the same kind of dedicated connection the lookup uses
+    conn = r.connection_pool.make_connection()
+    get_cmd = [b"*2\r\n$3\r\nGET\r\n$9\r\nbench:get\r\n"]
+
+    def raw_get():
+        conn.send_packed_command(get_cmd, check_health=False)
+        return conn.read_response()
+
+    assert raw_get() == b"x" * 16
+    get_s = median_time(raw_get, repeat * 200)
+    dir_s = median_time(lambda: d.longest_prefix(d.lookup_raw(hashes[0], hashes), table), repeat * 200)
+    assert len(d.longest_prefix(d.lookup_raw(hashes[0], hashes), table)) == 512
+    hash_s = median_time(lambda: chunk_hashes(spec.namespace, as_tokens(toks), 256), repeat * 20)
+    from kvmesh.client import KVMeshClient
+
+    client = KVMeshClient(spec, KVMeshConfig(redis_url=redis_url, key_prefix="bench"), node_id=None)
+    assert client.lookup(toks).num_chunks == 512
+    full_s = median_time(lambda: client.lookup(toks), repeat * 20)
+    client.close()
+    d.close()
+    return {"get_rtt_us": get_s * 1e6, "get_rtt_redis_py_us": get_redispy_s * 1e6, "directory_lookup_us": dir_s * 1e6, "hashing_us": hash_s * 1e6,
+            "client_lookup_us": full_s * 1e6, "ratio_directory_vs_get": dir_s / get_s,
+            "ratio_client_lookup_vs_get": full_s / get_s, "goal": "<= 2", "chunks": 512}
+
+
+def bench_fetch(fetch_bytes: int, repeat: int) -> dict:
+    import ray
+    import torch
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as NA
+
+    import kvmesh
+    from kvmesh.local import LocalRayCluster, RedisServer
+
+    # Llama-3.1-8B-like chunk geometry, scaled to 4 MiB chunks: 32 layers x 2 x 256 tokens x 8 heads x 128 x bf16
+    # is 32 MiB; we keep the shape family but 4 layers so the slab stays small.
+    spec = kvmesh.KVSpec("bench-fetch", 4, 8, 128, "bfloat16", chunk_tokens=256)
+    n_tokens = fetch_bytes // spec.token_bytes
+    redis_server = RedisServer()
+    cluster = LocalRayCluster(2, num_cpus=1, object_store_bytes=3 * fetch_bytes + 256 * MiB)
+    try:
+        mesh = kvmesh.start(redis_server.url, cpu_bytes=fetch_bytes + 64 * MiB, slot_bytes=spec.chunk_bytes)
+        a, b = mesh.node_ids
+
+        @ray.remote(num_cpus=0)
+        class Worker:
+            def __init__(self):
+                torch.set_num_threads(1)
+                self.c = kvmesh.connect(spec)
+
+            def store(self, n):
+                toks = list(range(n))
+                kv = torch.randn(spec.kv_shape(n)).to(torch.bfloat16)
+                self.c.store(toks, kv)
+                return self.c.flush()
+
+            def fetch(self, n, repeat):
+                toks = list(range(n))
+                m = self.c.lookup(toks)
+                times = []
+                for _ in range(repeat + 1):
+                    t0 = time.perf_counter()
+                    kv = self.c.fetch(m)
+                    times.append(time.perf_counter() - t0)
+                    assert kv.shape[2] == m.num_tokens
+                    del kv
+                return m.num_tokens, statistics.median(times[1:]), self.c.last_fetch
+
+        wa = Worker.options(scheduling_strategy=NA(a, soft=False)).remote()
+        wb = Worker.options(scheduling_strategy=NA(b, soft=False)).remote()
+        stored = ray.get(wa.store.remote(n_tokens))
+        n, local_s, local_stats = ray.get(wa.fetch.remote(n_tokens, repeat))
+        n2, peer_s, peer_stats = ray.get(wb.fetch.remote(n_tokens, repeat))
+        nbytes = n * spec.token_bytes
+        assert n == n2 and local_stats.local_chunks == stored and peer_stats.peer_chunks == stored
+        return {"bytes": nbytes, "chunks": stored, "chunk_bytes": spec.chunk_bytes,
+                "same_node_gbps": nbytes / local_s / 1e9, "cross_node_gbps": nbytes / peer_s / 1e9}
+    finally:
+        kvmesh.stop()
+        cluster.shutdown()
+        redis_server.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fetch-mib", type=int, default=256)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--only", choices=["lookup", "fetch"], help="run one part and print it, without saving")
+    args = p.parse_args()
+    from kvmesh.local import RedisServer
+
+    with RedisServer() as rs:
+        lookup = bench_lookup(rs.url, args.repeat) if args.only != "fetch" else None
+    if args.only == "lookup":
+        print(json.dumps(lookup, indent=2))
+        return
+    nbytes = args.fetch_mib * MiB
+    fetch = bench_fetch(nbytes, args.repeat)
+    tcp = tcp_baseline(fetch["bytes"], args.repeat)
+    memcpy = memcpy_baseline(fetch["bytes"], args.repeat)
+    save("core", {
+        "a_lookup": lookup,
+        "b_cross_node_fetch": {"fetch_gbps": fetch["cross_node_gbps"], "tcp_loopback_gbps": tcp,
+                               "ratio": fetch["cross_node_gbps"] / tcp, "goal": ">= 0.8"},
+        "c_same_node_fetch": {"fetch_gbps": fetch["same_node_gbps"], "memcpy_gbps": memcpy,
+                              "ratio": fetch["same_node_gbps"] / memcpy, "goal": ">= 0.5"},
+        "fetch_setup": fetch,
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -3,8 +3,8 @@
     lookup(tokens) -> Match       pure read, one directory round trip: the longest cached prefix, whole chunks,
                                   with the live holders of each chunk
     fetch(match) -> Tensor        brings matched chunks into this process: same-node chunks straight from the node's
-                                  shared-memory slab (an actor call only pins), peer chunks pulled through Ray in
-                                  pipelined batches. Whatever fails, is corrupt or misses the deadline truncates the
+                                  shared-memory slab (an actor call only pins), peer chunks streamed from the
+                                  holder's DataServer over TCP (or through Ray's object store) in batches. Whatever fails, is corrupt or misses the deadline truncates the
                                   result to the intact leading part; the caller recomputes the rest
     store(tokens, kv) -> int      hands the full chunks not already cached to the local KVNode and returns their
                                   count; the copy into the node happens in the background (`flush` waits for it)
@@ -32,6 +32,7 @@ from kvmesh.hashing import as_tokens, chunk_hashes, salt_bytes
 from kvmesh.spec import KVSpec
 from kvmesh.tiers import TIER_NAMES, checksum
 from kvmesh.tiers.cpu import SlabReader
+from kvmesh.transport import ChecksumError, DataClient
 from kvmesh.wire import StoreItem, WireError, pack_keys, pack_store, unpack_chunk_header, unpack_pin_reply
 
 log = logging.getLogger("kvmesh.client")
@@ -98,6 +99,7 @@ class KVMeshClient:
         self._slab = SlabReader(*local_slab[:2]) if local_slab else None
         self._slab_slot_bytes = local_slab[2] if local_slab else 0
         self._actors: dict[str, object] = {}
+        self._data = DataClient()
         self._pending_stores: list = []
         self._pending_pins: list = []  # pin replies we stopped waiting for; unpinned when they arrive
         self._table = NodeTable(None, 0, {}, (), {})
@@ -158,9 +160,14 @@ class KVMeshClient:
             self._refresh_nodes()
 
     # -- fetch --------------------------------------------------------------------------------------------------
-    def fetch(self, match: Match, device: str | torch.device = "cpu", deadline_s: float | None = None) -> torch.Tensor:
+    def fetch(self, match: Match, device: str | torch.device = "cpu", deadline_s: float | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         """KV of the matched prefix, `[num_layers, 2, tokens, num_kv_heads, head_dim]`; `tokens` is
-        `match.num_tokens` or, if part of the pull failed, the whole chunks before the first failure."""
+        `match.num_tokens` or, if part of the pull failed, the whole chunks before the first failure.
+
+        `out`, a contiguous CPU tensor of the spec's dtype and shape `[num_layers, 2, >= match.num_tokens,
+        num_kv_heads, head_dim]`, receives the chunks (an engine's preallocated buffer); the result is then a
+        view of it. Without it a new tensor is allocated, whose first touch costs as much as the copy."""
         if not isinstance(match, Match):
             raise TypeError(f"match must be a kvmesh Match from lookup(), got {type(match).__name__}")
         if match.namespace != self.spec.namespace or match.chunk_tokens != self.spec.chunk_tokens:
@@ -173,8 +180,11 @@ class KVMeshClient:
         deadline = t0 + (deadline_s or self.config.fetch_timeout_s)
         n = match.num_chunks
         C = self.spec.chunk_tokens
-        out = torch.empty(self.spec.kv_shape(n * C), dtype=self.spec.torch_dtype,
-                          pin_memory=device.type == "cuda" and torch.cuda.is_available())
+        if out is None:
+            out = torch.empty(self.spec.kv_shape(n * C), dtype=self.spec.torch_dtype,
+                              pin_memory=device.type == "cuda" and torch.cuda.is_available())
+        else:
+            self._check_out(out, n * C)
         local, peer = self._fill(match, out, deadline) if n else (0, 0)
         got = local + peer
         self.last_fetch = FetchStats(local, peer, time.monotonic() - t0)
@@ -184,6 +194,17 @@ class KVMeshClient:
             self.counts["fetch_truncated"] += 1
         result = out[:, :, : got * C]
         return result if device.type == "cpu" else result.to(device, non_blocking=True)
+
+    def _check_out(self, out, num_tokens: int) -> None:
+        s = self.spec
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.dtype != s.torch_dtype or out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous CPU tensor of dtype {s.dtype}")
+        if (out.dim() != 5 or out.shape[0] != s.num_layers or out.shape[1] != 2 or out.shape[2] < num_tokens
+                or out.shape[3] != s.num_kv_heads or out.shape[4] != s.head_dim):
+            raise ValueError(f"out must have shape [{s.num_layers}, 2, >= {num_tokens}, {s.num_kv_heads}, "
+                             f"{s.head_dim}], got {list(out.shape)}")
 
     def _plan(self, match: Match) -> list[tuple[str, int, list[bytes]]]:
         """Runs of consecutive chunks from one holder: (node id, first chunk index, keys). Prefers this node,
@@ -210,34 +231,55 @@ class KVMeshClient:
         import ray
 
         self._release_pending_pins()
-        inflight = []
+        nodes = self._current_table().by_node()
+        inflight = []  # (kind, first chunk, keys, ref or address, node id); Ray calls all start now
         for node_id, start, keys in self._plan(match):
+            if node_id == self.node_id and self._slab is not None:
+                inflight.append(("pin", start, keys, self._local.pin.remote(pack_keys(keys)), node_id))
+                continue
+            info = nodes.get(node_id)
+            if self.config.peer_transport == "tcp" and info is not None and info.data_addr:
+                inflight.append(("tcp", start, keys, info.data_addr, node_id))
+                continue
             actor = self._actor(node_id)
             if actor is None:
                 break
-            is_local = node_id == self.node_id and self._slab is not None
-            method = actor.pin if is_local else actor.pull
-            inflight.append((is_local, start, keys, method.remote(pack_keys(keys))))
-        got = {True: 0, False: 0}
+            inflight.append(("ray", start, keys, actor.pull.remote(pack_keys(keys)), node_id))
+        got = {"pin": 0, "tcp": 0, "ray": 0}
         pos = 0
-        for idx, (is_local, start, keys, ref) in enumerate(inflight):
+        for idx, (kind, start, keys, handle, node_id) in enumerate(inflight):
             if start != pos:
                 break
+            k = 0
             try:
-                reply = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-                k = self._consume_pin(keys, reply, out, start) if is_local else self._consume_pull(reply, out, start)
+                if kind == "tcp":
+                    k, err = self._data.pull(handle, keys, self.spec.chunk_bytes,
+                                             lambda j, s=start: self._chunk_segments(out, s + j), deadline)
+                    if err is not None:
+                        self.counts[f"fetch_error_{type(err).__name__}"] += 1
+                        if isinstance(err, ChecksumError) and (actor := self._actor(node_id)) is not None:
+                            actor.report_corrupt.remote(pack_keys(keys[k:k + 1]))
+                else:
+                    reply = ray.get(handle, timeout=max(0.0, deadline - time.monotonic()))
+                    k = (self._consume_pin(keys, reply, out, start) if kind == "pin"
+                         else self._consume_pull(reply, out, start))
             except (ray.exceptions.RayError, TimeoutError, WireError) as e:
                 self.counts[f"fetch_error_{type(e).__name__}"] += 1
-                log.debug("fetch of %d chunk(s) from %s failed: %s", len(keys), "local" if is_local else "peer", e)
-                if is_local:
-                    self._pending_pins.append(ref)
-                k = 0
-            got[is_local] += k
+                log.debug("fetch of %d chunk(s) (%s) failed: %s", len(keys), kind, e)
+                if kind == "pin":
+                    self._pending_pins.append(handle)
+            got[kind] += k
             pos += k
             if k < len(keys):
-                self._pending_pins.extend(r for loc, _s, _k, r in inflight[idx + 1:] if loc)
+                self._pending_pins.extend(h for kd, _s, _k, h, _n in inflight[idx + 1:] if kd == "pin")
                 break
-        return got[True], got[False]
+        return got["pin"], got["tcp"] + got["ray"]
+
+    def _chunk_segments(self, out: torch.Tensor, index: int) -> list[np.ndarray]:
+        """The writable pieces of `out` that chunk `index` fills, in chunk byte order: for each layer, K then V,
+        one contiguous run of chunk_tokens x heads x head_dim."""
+        dst = self._chunk_dst(out, index)
+        return [dst[layer, kv].numpy() for layer in range(self.spec.num_layers) for kv in (0, 1)]
 
     def _chunk_dst(self, out: torch.Tensor, index: int) -> torch.Tensor:
         C, s = self.spec.chunk_tokens, self.spec
@@ -409,6 +451,7 @@ class KVMeshClient:
         self._refresher.join(timeout=2)
         if self._slab is not None:
             self._slab.close()
+        self._data.close()
         self.directory.close()
 
     def __enter__(self) -> "KVMeshClient":

@@ -30,6 +30,7 @@ class KVMeshConfig:
     fetch_timeout_s: float = 10.0  # default deadline for a whole fetch
     node_refresh_s: float = 0.5  # how stale a client's view of live nodes may get
     pull_batch_bytes: int = 32 * MiB  # peer pulls are split into batches of about this size, pipelined
+    peer_transport: str = "tcp"  # "tcp": KVNodes' DataServers (fast); "ray": Ray's object store only
 
     def __post_init__(self) -> None:
         for name in ("cpu_bytes", "slot_bytes", "pull_batch_bytes"):
@@ -50,6 +51,8 @@ class KVMeshConfig:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"KVMeshConfig.redis_url must be a redis://, rediss:// or unix:// URL, "
                              f"got {self.redis_url!r}")
+        if self.peer_transport not in ("tcp", "ray"):
+            raise ValueError(f"KVMeshConfig.peer_transport must be 'tcp' or 'ray', got {self.peer_transport!r}")
         if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
             raise ValueError(f"KVMeshConfig.key_prefix must be non-empty without braces, got {self.key_prefix!r}")
 

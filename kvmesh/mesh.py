@@ -89,11 +89,12 @@ def start(redis_url: str | None = None, *, config: KVMeshConfig | None = None, t
             continue
         node_id = node["NodeID"]
         name = actor_name(node_id)
+        host = node.get("NodeManagerAddress") or "127.0.0.1"
         handles.append(cls.options(
             name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
             max_concurrency=32, max_restarts=-1, max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(cfg.to_dict(), node_id, name))
+        ).remote(cfg.to_dict(), node_id, name, host))
     hellos = [NodeHello.unpack(h) for h in ray.get([h.hello.remote() for h in handles], timeout=timeout_s)]
     return Mesh(cfg, tuple(h.info for h in hellos))
 

@@ -5,7 +5,8 @@ Ray actor (threaded, so a long pull never blocks a pin). Every public method tak
     hello() -> bytes                      NodeInfo, incarnation and config, for clients on this node
     pin(PinRequest) -> PinReply           mutates: pins the leading run of held chunks for a same-node reader
     unpin(pin_id)                         mutates
-    pull(PullRequest) -> (header, buf)    reads: the leading run of held chunks, verified, for a peer
+    pull(PullRequest) -> (header, buf)    reads: the leading run of held chunks, verified, for a peer (the Ray
+                                          path; the node's DataServer serves the same over TCP, see transport.py)
     store(StoreRequest, buf) -> int       mutates: places chunks in the CPU tier, registers them
     report_corrupt(PinRequest) -> int     mutates: re-verifies the named chunks, drops the bad ones
     stats() -> dict                       reads
@@ -34,6 +35,7 @@ from kvmesh.config import KVMeshConfig
 from kvmesh.directory import Directory, Lease
 from kvmesh.tiers import TIER_CPU, checksum
 from kvmesh.tiers.cpu import CpuTier
+from kvmesh.transport import DataServer
 from kvmesh.wire import (NodeInfo, PinnedChunk, WireError, pack_chunk_header, pack_pin_reply, unpack_keys,
                          unpack_store)
 
@@ -59,7 +61,8 @@ def _remove_stale_slabs(shm_dir: str, node_tag: str) -> None:
 
 
 class KVNode:
-    def __init__(self, config: KVMeshConfig | dict, node_id: str, actor_name: str = "") -> None:
+    def __init__(self, config: KVMeshConfig | dict, node_id: str, actor_name: str = "",
+                 host: str = "127.0.0.1") -> None:
         self.config = config if isinstance(config, KVMeshConfig) else KVMeshConfig(**config)
         self.node_id = node_id
         self.stats_counts: Counter[str] = Counter()
@@ -74,11 +77,17 @@ class KVNode:
         _remove_stale_slabs(cfg.shm_dir, node_tag)
         path = os.path.join(cfg.shm_dir, f"kvmesh-{node_tag}-{os.getpid()}-{secrets.token_hex(4)}")
         self.tier = CpuTier(path, cfg.num_slots, cfg.slot_bytes)
-        self.info = NodeInfo(node_id, actor_name, path, cfg.num_slots * cfg.slot_bytes, cfg.slot_bytes)
-        self.directory = Directory(cfg.redis_url, cfg.key_prefix)
+        self.data_server = None
         try:
+            if cfg.peer_transport == "tcp":
+                self.data_server = DataServer(self._pin_for_send, self._unpin_sent, host)
+            self.info = NodeInfo(node_id, actor_name, path, cfg.num_slots * cfg.slot_bytes, cfg.slot_bytes,
+                                 self.data_server.address if self.data_server else "")
+            self.directory = Directory(cfg.redis_url, cfg.key_prefix)
             self.lease: Lease = self.directory.join(self.info, self._lease_ms)
         except Exception:
+            if self.data_server:
+                self.data_server.shutdown()
             self.tier.close()
             raise
         self._stop = threading.Event()
@@ -159,6 +168,20 @@ class KVNode:
                 self.stats_counts["pulled_bytes"] += off
         self._drop(bad_chunks)
         return pack_chunk_header(rows), out[:off]
+
+    def _pin_for_send(self, keys: list[bytes]) -> tuple[list[int], list[tuple[int, int]], list[memoryview]]:
+        """For the DataServer: pin the leading run of `keys`; the client verifies the checksums it receives."""
+        with self._lock:
+            slots = self.tier.pin(keys)
+            rows = [(self.tier.record(s).nbytes, self.tier.record(s).checksum) for s in slots]
+            self.stats_counts["pulls"] += 1
+            self.stats_counts["pulled_chunks"] += len(slots)
+            self.stats_counts["pulled_bytes"] += sum(n for n, _ in rows)
+        return slots, rows, [self.tier.chunk_view(s) for s in slots]
+
+    def _unpin_sent(self, slots: list[int]) -> None:
+        with self._lock:
+            self.tier.unpin(slots)
 
     # -- stores --------------------------------------------------------------------------------------------------
     def store(self, request: bytes, data) -> int:
@@ -296,6 +319,8 @@ class KVNode:
             return
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.data_server:
+            self.data_server.shutdown()
         try:
             with self._lock:
                 chunks = self.tier.ready_chunks()

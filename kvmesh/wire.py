@@ -5,7 +5,7 @@ accepts longer arrays of its version and ignores the extra fields. Decoders chec
 `WireError` (a `ValueError`) on anything malformed, so a bad message can never crash a KVNode. Bulk chunk bytes
 travel beside the header as one contiguous uint8 buffer, chunks back to back in header order; never pickled.
 
-    NodeInfo      [1, node_id, actor_name, slab_path, slab_bytes, slot_bytes]
+    NodeInfo      [1, node_id, actor_name, slab_path, slab_bytes, slot_bytes, data_addr]
     PinRequest    [1, [key, ...]]
     PinReply      [1, pin_id, [[slot, nbytes, checksum], ...], slab_path]   leading chunks, pinned
     PullRequest   [1, [key, ...]]
@@ -82,17 +82,19 @@ class NodeInfo:
     slab_path: str
     slab_bytes: int
     slot_bytes: int
+    data_addr: str = ""  # host:port of the node's DataServer; empty when it serves pulls through Ray only
     incarnation: int = 0  # not on the wire: the directory keeps it beside the record
 
     def pack(self) -> bytes:
         return msgpack.packb([VERSION, self.node_id, self.actor_name, self.slab_path, self.slab_bytes,
-                              self.slot_bytes], use_bin_type=True)
+                              self.slot_bytes, self.data_addr], use_bin_type=True)
 
     @classmethod
     def unpack(cls, data, incarnation: int = 0) -> "NodeInfo":
         o = _unpack(data, "NodeInfo")
         return cls(_field(o, 1, str, "NodeInfo"), _field(o, 2, str, "NodeInfo"), _field(o, 3, str, "NodeInfo"),
-                   _field(o, 4, int, "NodeInfo"), _field(o, 5, int, "NodeInfo"), incarnation)
+                   _field(o, 4, int, "NodeInfo"), _field(o, 5, int, "NodeInfo"), _field(o, 6, str, "NodeInfo"),
+                   incarnation)
 
     def with_incarnation(self, incarnation: int) -> "NodeInfo":
         return replace(self, incarnation=incarnation)

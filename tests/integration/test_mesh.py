@@ -45,8 +45,8 @@ def w_lookup(s, toks, salt=None):
     return m
 
 
-def w_fetch(s, toks, salt=None, deadline_s=None):
-    c = kvmesh.connect(s, cache_salt=salt)
+def w_fetch(s, toks, salt=None, deadline_s=None, transport="tcp"):
+    c = kvmesh.connect(s, cache_salt=salt, peer_transport=transport)
     m = c.lookup(toks)
     kv = c.fetch(m, deadline_s=deadline_s)
     stats = c.last_fetch
@@ -78,9 +78,11 @@ def test_chunk_stored_on_node_a_is_fetched_bit_exact_on_node_b(mesh, dtype):
     toks = tokens(32 * 5 + 7, seed=1)  # 5 full chunks and a partial one
     kv = random_kv(s, len(toks), seed=2)
     assert on_node(a, w_store, s, toks, kv) == (5, 5)
-    n, got, stats = on_node(b, w_fetch, s, toks)
-    assert n == 160 and stats.peer_chunks == 5 and stats.local_chunks == 0
-    assert got.dtype == kv.dtype and torch.equal(got.view(torch.uint8), kv[:, :, :160].contiguous().view(torch.uint8))
+    for transport in ("tcp", "ray"):  # the KVNodes' TCP data servers, and Ray's object store
+        n, got, stats = on_node(b, w_fetch, s, toks, transport=transport)
+        assert n == 160 and stats.peer_chunks == 5 and stats.local_chunks == 0
+        assert got.dtype == kv.dtype
+        assert torch.equal(got.view(torch.uint8), kv[:, :, :160].contiguous().view(torch.uint8))
     # a worker on the holder's own node reads the same bytes through shared memory
     n, got, stats = on_node(a, w_fetch, s, toks)
     assert stats.local_chunks == 5 and torch.equal(got, kv[:, :, :160])
@@ -138,14 +140,18 @@ def test_a_corrupted_chunk_is_never_served(mesh):
     kv = random_kv(s, len(toks), 11)
     on_node(a, w_store, s, toks, kv)
     corrupt_chunk(mesh, a, s, toks, 3)
-    n, got, _ = on_node(b, w_fetch, s, toks)  # peer pull: the holder checks before sending
+    n, got, _ = on_node(b, w_fetch, s, toks)  # peer pull over TCP: the receiver checks, the holder re-verifies
     assert n == 192 and got.shape[2] == 96 and torch.equal(got, kv[:, :, :96])
     wait_until(lambda: on_node(b, w_lookup, s, toks).num_tokens == 96, 5)  # and it was unregistered
+    corrupt_chunk(mesh, a, s, toks, 2)
+    n, got, _ = on_node(b, w_fetch, s, toks, transport="ray")  # through Ray: the holder checks before sending
+    assert n == 96 and got.shape[2] == 64 and torch.equal(got, kv[:, :, :64])
+    wait_until(lambda: on_node(b, w_lookup, s, toks).num_tokens == 64, 5)
     corrupt_chunk(mesh, a, s, toks, 1)
     n, got, stats = on_node(a, w_fetch, s, toks)  # same-node read: the reader checks what it copied
-    assert n == 96 and got.shape[2] == 32 and torch.equal(got, kv[:, :, :32])
+    assert n == 64 and got.shape[2] == 32 and torch.equal(got, kv[:, :, :32])
     wait_until(lambda: on_node(b, w_lookup, s, toks).num_tokens == 32, 5)
-    assert ray.get(node_actors()[a].stats.remote())["corrupt_dropped"] == 2
+    assert ray.get(node_actors()[a].stats.remote())["corrupt_dropped"] == 3
 
 
 def test_bad_inputs_raise_typed_errors(mesh):

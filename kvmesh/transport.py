@@ -1,0 +1,188 @@
+"""Peer data plane over plain TCP, beside Ray's object store.
+
+Ray's object transfer moves a KV pull at 0.1–0.3 of a raw loopback TCP stream on our machines (a copy into the
+object store, the raylet-to-raylet transfer, a copy out). Each KVNode therefore also runs a `DataServer` on its
+node's address; clients pull chunks from it directly. Ray stays the control plane (placement, actor handles,
+pins for same-node reads) and the fallback data path (`peer_transport="ray"`).
+
+Protocol, one request at a time per connection (connections are kept and reused):
+
+    request   u32 length (little-endian) + msgpack PullRequest [1, [key, ...]]         (wire.pack_keys)
+    reply     u32 length + msgpack PullReply header [1, [[nbytes, checksum], ...]]    leading chunks held, pinned
+              then each chunk's bytes, back to back
+
+The server sends straight from the pinned slab (no user-space copy) and unpins when the last byte is out. The
+client receives straight into the caller's tensor and checks each chunk's checksum there; a mismatch, a short
+read or a missed deadline closes the connection and ends the pull at the last intact chunk.
+
+The port is unauthenticated, like Ray's own ports: it must only be reachable inside the cluster network.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import xxhash
+
+from kvmesh.wire import WireError, pack_chunk_header, pack_keys, unpack_chunk_header, unpack_keys
+
+log = logging.getLogger("kvmesh.transport")
+_LEN = struct.Struct("<I")
+MAX_FRAME = 1 << 24
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> bytes:
+    (n,) = _LEN.unpack(_recv_exact(sock, 4))
+    if n > MAX_FRAME:
+        raise WireError(f"frame of {n} bytes is too large")
+    return _recv_exact(sock, n)
+
+
+def _send_frame(sock: socket.socket, body: bytes) -> None:
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+class DataServer:
+    """Serves pulls from a node's slab. `pin(keys)` returns (slots, [(nbytes, checksum)], [memoryview]) for the
+    leading run it holds, pinned; `unpin(slots)` releases them."""
+
+    def __init__(self, pin: Callable, unpin: Callable, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._pin, self._unpin = pin, unpin
+        self._listener = socket.create_server((host, port), backlog=64)
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self._thread = threading.Thread(target=self._accept_loop, name="kvmesh-data-accept", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kvmesh-data-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    keys = unpack_keys(_recv_frame(conn), "PullRequest")
+                except (ConnectionError, OSError):
+                    return
+                slots, rows, views = self._pin(keys)
+                try:
+                    _send_frame(conn, pack_chunk_header(rows))
+                    for v in views:
+                        conn.sendall(v)
+                        self.bytes_sent += len(v)
+                finally:
+                    self._unpin(slots)
+        except (WireError, OSError) as e:
+            log.debug("data connection closed: %s", e)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        with self._lock:
+            for c in list(self._conns):
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        self._thread.join(timeout=2)
+
+
+class DataClient:
+    """Pulls chunks from peers' DataServers, keeping one idle connection per peer for reuse."""
+
+    def __init__(self, connect_timeout_s: float = 1.0) -> None:
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._lock = threading.Lock()
+        self.connect_timeout_s = connect_timeout_s
+
+    def _connect(self, address: str, deadline: float) -> socket.socket:
+        with self._lock:
+            pool = self._idle.get(address)
+            if pool:
+                return pool.pop()
+        host, port = address.rsplit(":", 1)
+        timeout = max(0.01, min(self.connect_timeout_s, deadline - time.monotonic()))
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def pull(self, address: str, keys: list[bytes], expected_nbytes: int, dest: Callable[[int], list],
+             deadline: float) -> tuple[int, Exception | None]:
+        """Pull `keys` from the peer at `address`; chunk j's bytes go into the writable buffers `dest(j)`, in
+        order (they add up to `expected_nbytes`). Returns how many leading chunks arrived intact, and the error
+        that ended the pull early (None when the peer sent every chunk it holds)."""
+        done = 0
+        try:
+            sock = self._connect(address, deadline)
+        except OSError as e:
+            return 0, e
+        try:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            _send_frame(sock, pack_keys(keys))
+            rows = unpack_chunk_header(_recv_frame(sock))
+            if len(rows) > len(keys) or any(n != expected_nbytes for n, _ in rows):
+                raise WireError("PullReply: unexpected chunk count or size")
+            for j, (_nbytes, want) in enumerate(rows):
+                h = xxhash.xxh3_64()
+                for buf in dest(j):
+                    view = memoryview(buf).cast("B")
+                    got = 0
+                    while got < len(view):
+                        sock.settimeout(max(0.01, deadline - time.monotonic()))
+                        k = sock.recv_into(view[got:])
+                        if not k:
+                            raise ConnectionError("peer closed the connection mid-chunk")
+                        got += k
+                    h.update(view)
+                if h.intdigest() != want:
+                    raise ChecksumError(f"chunk {j} of a pull from {address} fails its checksum")
+                done += 1
+        except (OSError, WireError) as e:  # socket.timeout is an OSError
+            sock.close()
+            return done, e
+        with self._lock:
+            self._idle.setdefault(address, []).append(sock)
+        return done, None
+
+    def close(self) -> None:
+        with self._lock:
+            for pool in self._idle.values():
+                for s in pool:
+                    s.close()
+            self._idle.clear()
+
+
+class ChecksumError(WireError):
+    """Bytes that arrived do not match the checksum their holder recorded."""

@@ -100,6 +100,7 @@ class KVMeshClient:
         self._slab_slot_bytes = local_slab[2] if local_slab else 0
         self._actors: dict[str, object] = {}
         self._data = DataClient()
+        self._scratch: torch.Tensor | None = None
         self._pending_stores: list = []
         self._pending_pins: list = []  # pin replies we stopped waiting for; unpinned when they arrive
         self._table = NodeTable(None, 0, {}, (), {})
@@ -194,6 +195,15 @@ class KVMeshClient:
             self.counts["fetch_truncated"] += 1
         result = out[:, :, : got * C]
         return result if device.type == "cpu" else result.to(device, non_blocking=True)
+
+    def scratch(self, num_tokens: int) -> torch.Tensor:
+        """A reusable, already-touched CPU buffer for `fetch(..., out=)`, valid until the next call: for callers
+        that copy the fetched KV elsewhere at once (a fresh allocation's page faults cost as much as the copy)."""
+        buf = self._scratch
+        if buf is None or buf.shape[2] < num_tokens:
+            grown = max(num_tokens, 2 * buf.shape[2] if buf is not None else 0)
+            buf = self._scratch = torch.zeros(self.spec.kv_shape(grown), dtype=self.spec.torch_dtype)
+        return buf  # shape[2] >= num_tokens; fetch fills the front
 
     def _check_out(self, out, num_tokens: int) -> None:
         s = self.spec

@@ -127,7 +127,8 @@ def generate(model, prompt, max_new_tokens: int = 16, client=None, cache_salt=No
         # at least one prompt token must be computed to get the next-token logits
         match = match.truncate(min(match.num_chunks, (n - 1) // match.chunk_tokens))
         if match.num_chunks:
-            kv = client.fetch(match, device=device)
+            # cache_from_kv copies out at once, so the client's reusable buffer can take the pull
+            kv = client.fetch(match, device=device, out=client.scratch(match.num_tokens))
             reused = kv.shape[2]
             if reused:
                 cache = cache_from_kv(kv)

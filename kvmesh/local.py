@@ -147,5 +147,8 @@ class LocalRayCluster:
     def shutdown(self) -> None:
         import ray
 
+        from kvmesh.node import remove_stale_slabs
+
         ray.shutdown()
         self.cluster.shutdown()
+        remove_stale_slabs()  # slabs of KVNodes that died with a removed node

@@ -43,21 +43,24 @@ log = logging.getLogger("kvmesh.node")
 _SLAB_RE = re.compile(r"^kvmesh-(?P<node>[0-9a-f]+)-(?P<pid>\d+)-[0-9a-f]+$")
 
 
-def _remove_stale_slabs(shm_dir: str, node_tag: str) -> None:
-    """Unlink slabs this node's earlier, dead KVNode processes left behind (e.g. after SIGKILL)."""
+def remove_stale_slabs(shm_dir: str = "/dev/shm") -> int:
+    """Unlink slabs whose KVNode process is gone (killed with SIGKILL, or its node removed). Returns how many."""
+    removed = 0
     for name in os.listdir(shm_dir):
         m = _SLAB_RE.match(name)
-        if not m or m["node"] != node_tag:
+        if not m:
             continue
         try:
             os.kill(int(m["pid"]), 0)
         except ProcessLookupError:
             try:
                 os.unlink(os.path.join(shm_dir, name))
+                removed += 1
             except OSError:
                 pass
         except PermissionError:
             pass
+    return removed
 
 
 class KVNode:
@@ -74,7 +77,7 @@ class KVNode:
         cfg = self.config
         node_tag = node_id[:16].lower()
         os.makedirs(cfg.shm_dir, exist_ok=True)
-        _remove_stale_slabs(cfg.shm_dir, node_tag)
+        remove_stale_slabs(cfg.shm_dir)
         path = os.path.join(cfg.shm_dir, f"kvmesh-{node_tag}-{os.getpid()}-{secrets.token_hex(4)}")
         self.tier = CpuTier(path, cfg.num_slots, cfg.slot_bytes)
         self.data_server = None

@@ -1,0 +1,187 @@
+"""Slot bookkeeping shared by every tier: fixed-size slots, one chunk per slot, an eviction policy, pins.
+
+Primitives (the owner calls them under its own lock; none block on I/O):
+
+    prepare_store(key, group, nbytes) -> StoreTicket | None   mutates: reserves a slot, evicting by policy; None
+                                                              when the key is already held or every slot is pinned
+    buffer(slot)                                               the writable memory of a reserved slot (per tier)
+    complete_store(ticket, checksum)                           mutates: the chunk becomes readable
+    abort_store(ticket)                                        mutates: the reservation is undone
+    pin(keys) -> list[int]                                     mutates: pins the leading run of readable keys
+    unpin(slots)                                               mutates
+    verify(slot) -> bool                                       pure: checksum of the slot's bytes matches
+    discard(key)                                               mutates: forget a chunk (freed once unpinned)
+    check_integrity()                                          pure: raises AssertionError on broken invariants
+
+Invariants: a pinned or writing slot is never evicted or reused; a key maps to at most one slot; a slot is free
+or in `_by_key`, never both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmesh.policy import LRUPolicy
+
+
+class Slot:
+    """Record of one slot. Changed only by the owning `CpuTier`, under the owner's lock."""
+
+    __slots__ = ("key", "group", "nbytes", "checksum", "pins", "ready", "doomed")
+
+    def __init__(self) -> None:
+        self.key: bytes | None = None  # chunk hash held, None when free
+        self.group: bytes = b""  # first-chunk hash of the chunk's prompt (its directory group)
+        self.nbytes = 0  # bytes of the chunk (<= slot_bytes)
+        self.checksum = 0  # checksum of those bytes, set when the chunk becomes readable
+        self.pins = 0  # readers (and the writer) holding the slot
+        self.ready = False  # readable: written and checksummed
+        self.doomed = False  # discarded while pinned: freed on the last unpin
+
+
+@dataclass(frozen=True, slots=True)
+class StoreTicket:
+    slot: int
+    key: bytes
+    evicted: list[tuple[bytes, bytes]] = field(default_factory=list)  # (group, key) of chunks evicted for room
+
+
+class SlotPool:
+    """Bookkeeping of one tier; subclasses own the memory (`buffer`, `checksum_of`, `close`)."""
+
+    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+        assert num_slots > 0 and slot_bytes > 0
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self._slots = [Slot() for _ in range(num_slots)]
+        self._free = list(range(num_slots - 1, -1, -1))  # stack: low slots first
+        self._by_key: dict[bytes, int] = {}
+        self._policy = LRUPolicy()
+
+    # -- queries ------------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Readable chunks held."""
+        return sum(1 for s in self._slots if s.ready and not s.doomed)
+
+    def slot_of(self, key: bytes) -> int | None:
+        i = self._by_key.get(key)
+        return i if i is not None and self._slots[i].ready else None
+
+    def record(self, slot: int) -> Slot:
+        return self._slots[slot]
+
+    def ready_chunks(self) -> list[tuple[bytes, bytes]]:
+        """(group, key) of every readable chunk."""
+        return [(s.group, s.key) for s in self._slots if s.ready and not s.doomed]
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(s.nbytes for s in self._slots if s.key is not None)
+
+    # -- store --------------------------------------------------------------------------------------------------
+    def prepare_store(self, key: bytes, group: bytes, nbytes: int) -> StoreTicket | None:
+        assert 0 < nbytes <= self.slot_bytes
+        if key in self._by_key:
+            return None
+        evicted: list[tuple[bytes, bytes]] = []
+        if not self._free:
+            victims = self._policy.evict(1, lambda k: self._slots[self._by_key[k]].pins == 0)
+            if victims is None:
+                return None
+            for k in victims:
+                s = self._slots[self._by_key[k]]
+                evicted.append((s.group, k))
+                self._release(self._by_key[k])
+        slot = self._free.pop()
+        s = self._slots[slot]
+        s.key, s.group, s.nbytes, s.pins, s.ready, s.doomed = key, group, nbytes, 1, False, False
+        self._by_key[key] = slot
+        return StoreTicket(slot, key, evicted)
+
+    def complete_store(self, ticket: StoreTicket, chunk_checksum: int) -> None:
+        s = self._slots[ticket.slot]
+        assert s.key == ticket.key and not s.ready
+        s.checksum, s.ready = chunk_checksum, True
+        s.pins -= 1
+        self._policy.insert(ticket.key)
+
+    def abort_store(self, ticket: StoreTicket) -> None:
+        s = self._slots[ticket.slot]
+        assert s.key == ticket.key and not s.ready
+        s.pins -= 1
+        self._release(ticket.slot)
+
+    # -- read ---------------------------------------------------------------------------------------------------
+    def pin(self, keys: list[bytes]) -> list[int]:
+        slots = []
+        for key in keys:
+            i = self.slot_of(key)
+            if i is None or self._slots[i].doomed:
+                break
+            slots.append(i)
+        for i in slots:
+            self._slots[i].pins += 1
+        for i in reversed(slots):  # the head of the prefix ends most recent
+            self._policy.touch(self._slots[i].key)
+        return slots
+
+    def unpin(self, slots: list[int]) -> None:
+        for i in slots:
+            s = self._slots[i]
+            assert s.pins > 0, f"unpin of unpinned slot {i}"
+            s.pins -= 1
+            if s.pins == 0 and s.doomed:
+                self._release(i)
+
+    def verify(self, slot: int) -> bool:
+        s = self._slots[slot]
+        return s.ready and self.checksum_of(slot) == s.checksum
+
+    # -- memory, provided by each tier --------------------------------------------------------------------------
+    def buffer(self, slot: int):
+        """The writable memory of a slot (slot_bytes long)."""
+        raise NotImplementedError
+
+    def checksum_of(self, slot: int) -> int:
+        """Checksum of the chunk's bytes as they are in the slot now."""
+        raise NotImplementedError
+
+    def discard(self, key: bytes) -> bool:
+        i = self._by_key.get(key)
+        if i is None:
+            return False
+        s = self._slots[i]
+        self._policy.remove(key)
+        if s.pins:
+            s.doomed = True
+        else:
+            self._release(i)
+        return True
+
+    def _release(self, slot: int) -> None:
+        s = self._slots[slot]
+        assert s.pins == 0
+        self._policy.remove(s.key)
+        del self._by_key[s.key]
+        s.key, s.group, s.nbytes, s.checksum, s.ready, s.doomed = None, b"", 0, 0, False, False
+        self._free.append(slot)
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    def check_integrity(self, verify_checksums: bool = False) -> None:
+        free = set(self._free)
+        assert len(free) == len(self._free), "slot on the free list twice"
+        for i, s in enumerate(self._slots):
+            assert s.pins >= 0, f"slot {i} has negative pins"
+            if i in free:
+                assert s.key is None and s.pins == 0, f"free slot {i} holds a chunk or pins"
+                continue
+            assert s.key is not None and self._by_key.get(s.key) == i, f"slot {i} not indexed by its key"
+            assert 0 < s.nbytes <= self.slot_bytes
+            if s.ready and not s.doomed:
+                assert s.key in self._policy, f"readable slot {i} unknown to the policy"
+                if verify_checksums:
+                    assert self.verify(i), f"slot {i} fails its checksum"
+            if not s.ready:
+                assert s.pins >= 1, f"slot {i} being written without the writer's pin"
+        assert len(free) + len(self._by_key) == self.num_slots, "slots lost"
+        assert len(self._policy) <= len(self._by_key)

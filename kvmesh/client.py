@@ -20,13 +20,14 @@ import threading
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import redis
 import torch
 
 from kvmesh.config import KVMeshConfig
+from kvmesh.cost import CostModel, LinkModel, LoadPlan, measure_memcpy_bps
 from kvmesh.directory import Directory, Holder, NodeTable
 from kvmesh.hashing import as_tokens, chunk_hashes, salt_bytes
 from kvmesh.spec import KVSpec
@@ -58,11 +59,13 @@ class ChunkMatch:
 
 @dataclass(frozen=True, slots=True)
 class Match:
-    """The longest cached prefix of a prompt, in whole chunks."""
+    """The longest cached prefix of a prompt, in whole chunks: chunks [start, start + len(chunks)) of it."""
 
     namespace: bytes  # spec namespace the lookup was made for
     chunk_tokens: int
     chunks: tuple[ChunkMatch, ...]
+    plan: LoadPlan | None = None  # the cost model's advice for this prompt, with its reason
+    start: int = 0  # index of the first chunk (non-zero only for a part selected with `select`)
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +76,11 @@ class Match:
         return len(self.chunks)
 
     def truncate(self, num_chunks: int) -> "Match":
-        return Match(self.namespace, self.chunk_tokens, self.chunks[:max(0, num_chunks)])
+        return replace(self, chunks=self.chunks[:max(0, num_chunks)], plan=None)
+
+    def select(self, first: int, end: int) -> "Match":
+        """Chunks [first, end) of this match (e.g. the part a split plan loads)."""
+        return replace(self, chunks=self.chunks[first:end], start=self.start + first, plan=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +101,8 @@ class KVMeshClient:
         self.cache_salt = salt_bytes(cache_salt)
         self.counts: Counter[str] = Counter()
         self.last_fetch = FetchStats(0, 0, 0.0)
+        # sources: "local" = this node's slab (calibrated here), "peer" = another node (learned from pulls)
+        self.cost = CostModel({"local": LinkModel(measure_memcpy_bps() / 2, 1e-3), "peer": LinkModel(1e9, 2e-3)})
         self.directory = Directory(config.redis_url, config.key_prefix, timeout_s=config.lookup_timeout_s)
         self._local = local_actor
         self._slab = SlabReader(*local_slab[:2]) if local_slab else None
@@ -101,6 +110,8 @@ class KVMeshClient:
         self._actors: dict[str, object] = {}
         self._data = DataClient()
         self._scratch: torch.Tensor | None = None
+        self._stage: torch.Tensor | None = None  # page-locked, chunk-major, for peer chunks bound for a GPU
+        self._verify_pool = None
         self._pending_stores: list = []
         self._pending_pins: list = []  # pin replies we stopped waiting for; unpinned when they arrive
         self._table = NodeTable(None, 0, {}, (), {})
@@ -124,7 +135,15 @@ class KVMeshClient:
         holders = self._live_holders(hashes, prefix_only=True)
         chunks = tuple(ChunkMatch(h, hs) for h, hs in zip(hashes, holders))
         self.counts["lookup_hit_chunks" if chunks else "lookup_misses"] += len(chunks) or 1
-        return Match(self.spec.namespace, self.spec.chunk_tokens, chunks)
+        match = Match(self.spec.namespace, self.spec.chunk_tokens, chunks)
+        return replace(match, plan=self.plan(match, len(as_tokens(tokens))))
+
+    def plan(self, match: "Match", prompt_tokens: int) -> LoadPlan:
+        """The cost model's plan for using `match` in a prompt of `prompt_tokens` tokens."""
+        sources = ["local" if ch.node_id == self.node_id else "peer" for ch in match.chunks]
+        plan = self.cost.plan(prompt_tokens, self.spec.chunk_tokens, self.spec.chunk_bytes, sources)
+        self.counts[f"plan_{plan.reason.replace(' ', '_')}"] += 1
+        return plan
 
     def _live_holders(self, hashes: list[bytes], prefix_only: bool) -> list[tuple[Holder, ...]]:
         if not hashes:
@@ -205,6 +224,81 @@ class KVMeshClient:
             buf = self._scratch = torch.zeros(self.spec.kv_shape(grown), dtype=self.spec.torch_dtype)
         return buf  # shape[2] >= num_tokens; fetch fills the front
 
+    def fetch_to_device(self, match: Match, device: str | torch.device, deadline_s: float | None = None,
+                        min_copy_bytes: int = 8 << 20):
+        """Land the matched chunks on a CUDA device, layer group by layer group (`movers.LayerwiseLoad`):
+        same-node chunks are copied by DMA straight from the node's page-locked slab, peer chunks first into a
+        page-locked staging buffer. Checksums of the slab chunks are verified by CPU threads while the DMA runs
+        (`load.verified()`). Returns (load or None, chunks in it); call `load.release()` when done."""
+        import ray
+
+        from kvmesh.movers import to_device
+
+        if not isinstance(match, Match):
+            raise TypeError(f"match must be a kvmesh Match from lookup(), got {type(match).__name__}")
+        if match.namespace != self.spec.namespace:
+            raise ValueError("match was made for a different KVSpec than this client's")
+        deadline = time.monotonic() + (deadline_s or self.config.fetch_timeout_s)
+        cb = self.spec.chunk_bytes
+        srcs, checks, pins = [], [], []
+        nodes = self._current_table().by_node()
+        pool = self._verifier()
+        for node_id, start, keys in self._plan(match):
+            if start != len(srcs):
+                break
+            if node_id == self.node_id and self._slab is not None:
+                try:
+                    pin_id, rows, path = unpack_pin_reply(ray.get(self._local.pin.remote(pack_keys(keys)),
+                                                                  timeout=max(0.0, deadline - time.monotonic())))
+                except (ray.exceptions.RayError, TimeoutError, WireError):
+                    break
+                if rows:
+                    pins.append(pin_id)
+                if path != self._slab.path:
+                    break
+                for row in rows:
+                    if row.nbytes != cb:
+                        break
+                    view = self._slab.view(row.slot * self._slab_slot_bytes, cb)
+                    srcs.append(view)
+                    checks.append(pool.submit(lambda v=view, c=row.checksum: checksum(v) == c))
+                if len(rows) < len(keys):
+                    break
+                continue
+            info = nodes.get(node_id)
+            if info is None or not info.data_addr:
+                break
+            stage = self._pinned_stage(len(keys))
+            k, err = self._data.pull(info.data_addr, keys, cb, lambda j: [stage[j].numpy()], deadline)
+            srcs.extend(stage[j] for j in range(k))  # verified on receipt
+            if k < len(keys):
+                break
+        self.counts["fetched_chunks_to_device"] += len(srcs)
+
+        def unpin() -> None:
+            for pin_id in pins:
+                self._local.unpin.remote(pin_id)
+
+        if not srcs:
+            unpin()
+            return None, 0
+        load = to_device(srcs, self.spec, device, min_copy_bytes=min_copy_bytes)
+        load.checks, load.on_release = checks, [unpin]
+        return load, len(srcs)
+
+    def _verifier(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._verify_pool is None:
+            self._verify_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-verify")
+        return self._verify_pool
+
+    def _pinned_stage(self, n: int) -> torch.Tensor:
+        cb = self.spec.chunk_bytes
+        if self._stage is None or self._stage.shape[0] < n:
+            self._stage = torch.empty((n, cb), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self._stage
+
     def _check_out(self, out, num_tokens: int) -> None:
         s = self.spec
         if not isinstance(out, torch.Tensor):
@@ -257,6 +351,7 @@ class KVMeshClient:
             inflight.append(("ray", start, keys, actor.pull.remote(pack_keys(keys)), node_id))
         got = {"pin": 0, "tcp": 0, "ray": 0}
         pos = 0
+        t_prev = time.monotonic()
         for idx, (kind, start, keys, handle, node_id) in enumerate(inflight):
             if start != pos:
                 break
@@ -280,6 +375,11 @@ class KVMeshClient:
                     self._pending_pins.append(handle)
             got[kind] += k
             pos += k
+            now = time.monotonic()
+            if k:  # what the cost model learns links from; runs overlap, so this is an upper bound on each
+                self.cost.observe_transfer("local" if kind == "pin" else "peer", k * self.spec.chunk_bytes,
+                                           now - t_prev)
+            t_prev = now
             if k < len(keys):
                 self._pending_pins.extend(h for kd, _s, _k, h, _n in inflight[idx + 1:] if kd == "pin")
                 break
@@ -462,6 +562,8 @@ class KVMeshClient:
         if self._slab is not None:
             self._slab.close()
         self._data.close()
+        if self._verify_pool is not None:
+            self._verify_pool.shutdown(wait=False)
         self.directory.close()
 
     def __enter__(self) -> "KVMeshClient":

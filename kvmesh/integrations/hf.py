@@ -1,25 +1,30 @@
 """Reuse through a transformers causal LM (`DynamicCache`).
 
-    spec_for_model(model, ...) -> KVSpec      identity from the model's config, dtype and weights
-    cache_from_kv(kv) -> DynamicCache         [num_layers, 2, T, kv_heads, head_dim] -> per-layer [1, H, T, D]
-    kv_from_cache(cache, num_tokens) -> Tensor the reverse
-    generate(model, prompt, client=...)       look up, fetch the cached prefix, prefill only the suffix, decode
-                                              greedily, store the new full chunks
+    spec_for_model(model, ...) -> KVSpec        identity from the model's config, dtype and weights
+    cache_from_kv(kv) -> DynamicCache           [num_layers, 2, T, kv_heads, head_dim] -> per-layer [1, H, T, D]
+    kv_from_cache(cache, num_tokens, layers)    the reverse
+    prefill_on_load(model, ids, load, ...)      prefill a suffix while its prefix arrives layer by layer: decoder
+                                                layer i waits (forward pre-hook) only for layer i's KV
+    generate(model, prompt, client=...)         look up, follow the cost model's plan (load all / compute the
+                                                front while the rest loads / recompute), prefill the rest,
+                                                decode greedily, store the new full chunks
 
-Without a client, `generate` is the plain recompute path through the very same code, so the two can be compared
-token for token.
+Without a client, `generate` is the plain recompute path through the same code, so the two can be compared token
+for token.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
+import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from kvmesh.hashing import as_tokens
+from kvmesh.movers import LayerwiseLoad, scatter_contiguous
 from kvmesh.spec import KVSpec
 
 
@@ -55,18 +60,26 @@ def _new_cache():
     return DynamicCache()
 
 
+def _install(cache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Put K/V [1, H, T, D] into a DynamicCache layer without copying them (so they may still be filling)."""
+    cache.update(k[:, :, :0], v[:, :, :0], layer)  # creates the layer
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        cache.layers[layer].keys, cache.layers[layer].values = k, v
+    else:
+        cache.key_cache[layer], cache.value_cache[layer] = k, v
+
+
 def cache_from_kv(kv: torch.Tensor):
-    """A `DynamicCache` holding `kv` ([num_layers, 2, T, H, D])."""
+    """A `DynamicCache` holding (a copy of) `kv` ([num_layers, 2, T, H, D])."""
     cache = _new_cache()
     for layer in range(kv.shape[0]):
-        k = kv[layer, 0].transpose(0, 1).unsqueeze(0).contiguous()
-        v = kv[layer, 1].transpose(0, 1).unsqueeze(0).contiguous()
-        cache.update(k, v, layer)
+        _install(cache, layer, kv[layer, 0].transpose(0, 1).unsqueeze(0).contiguous(),
+                 kv[layer, 1].transpose(0, 1).unsqueeze(0).contiguous())
     return cache
 
 
 def _layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if hasattr(cache, "layers"):  # transformers >= 4.56
+    if hasattr(cache, "layers"):
         return cache.layers[layer].keys, cache.layers[layer].values
     return cache.key_cache[layer], cache.value_cache[layer]
 
@@ -88,6 +101,63 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _decoder_layers(model):
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    return list(layers) if layers is not None else None
+
+
+def _forward(model, ids: torch.Tensor, cache, **kw):
+    return model(input_ids=ids, use_cache=True, **{_cache_kwarg(model): cache}, **kw)
+
+
+def prefill_on_load(model, suffix_ids: torch.Tensor, load: LayerwiseLoad | None, loaded_tokens: int,
+                    front_cache=None, front_tokens: int = 0):
+    """Prefill `suffix_ids` ([1, S]) on top of a prefix made of `front_tokens` computed tokens (in
+    `front_cache`) followed by `loaded_tokens` tokens arriving through `load` (chunk layout). Decoder layer i
+    waits only for layer i of the load. Returns (last-position logits, cache)."""
+    cfg = model.config
+    num_layers = cfg.num_hidden_layers
+    total = front_tokens + loaded_tokens
+    device = suffix_ids.device
+    if load is not None:
+        _, _, _, _, h, d = load.staging.shape
+    else:
+        _, h, _, d = _layer_kv(front_cache, 0)[0].shape
+    dtype = next(model.parameters()).dtype
+    keys = [torch.empty((1, h, total, d), dtype=dtype, device=device) for _ in range(num_layers)]
+    values = [torch.empty((1, h, total, d), dtype=dtype, device=device) for _ in range(num_layers)]
+    if front_tokens:
+        for layer in range(num_layers):
+            fk, fv = _layer_kv(front_cache, layer)
+            keys[layer][:, :, :front_tokens].copy_(fk[:, :, :front_tokens])
+            values[layer][:, :, :front_tokens].copy_(fv[:, :, :front_tokens])
+    if load is not None:
+        if load.stream is not None:
+            load.stream.wait_stream(torch.cuda.current_stream(device))  # K/V allocated on this stream
+            for t in keys + values:
+                t.record_stream(load.stream)
+        load.then(lambda layer, piece: scatter_contiguous(piece.unsqueeze(1), keys, values, front_tokens,
+                                                          range(layer, layer + 1)))
+    cache = _new_cache()
+    for layer in range(num_layers):
+        _install(cache, layer, keys[layer], values[layer])
+    hooks = []
+    decoder = _decoder_layers(model)
+    if load is not None and load.stream is not None:
+        if decoder is not None and len(decoder) == num_layers:
+            hooks = [m.register_forward_pre_hook(lambda _m, _a, i=i: load.wait(i)) for i, m in enumerate(decoder)]
+        else:  # unknown architecture: wait for everything up front
+            for layer in range(num_layers):
+                load.wait(layer)
+    try:
+        out = _forward(model, suffix_ids, cache, logits_to_keep=1)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    return out.logits[:, -1], cache
+
+
 @dataclass
 class GenerationResult:
     tokens: list[int]  # generated token ids
@@ -97,12 +167,18 @@ class GenerationResult:
     reused_peer_tokens: int = 0  # ... pulled from another node
     computed_tokens: int = 0  # prompt tokens prefilled here
     stored_chunks: int = 0
+    plan: str = ""  # the cost model's decision: load / split / recompute / no estimate / no match
     lookup_s: float = 0.0
     fetch_s: float = 0.0
     prefill_s: float = 0.0
     ttft_s: float = 0.0  # lookup + fetch + prefill: time to the first generated token
     total_s: float = 0.0
     first_logits: torch.Tensor | None = field(default=None, repr=False)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
@@ -119,43 +195,105 @@ def generate(model, prompt, max_new_tokens: int = 16, client=None, cache_salt=No
     device = next(model.parameters()).device
     ids = torch.from_numpy(toks.astype("int64")).to(device).unsqueeze(0)
     res = GenerationResult([], n)
-    cache, reused = None, 0
+    logits = cache = None
     if client is not None:
-        match = client.lookup(toks, cache_salt)
-        t1 = time.perf_counter()
-        res.lookup_s = t1 - t0
-        # at least one prompt token must be computed to get the next-token logits
-        match = match.truncate(min(match.num_chunks, (n - 1) // match.chunk_tokens))
-        if match.num_chunks:
-            # cache_from_kv copies out at once, so the client's reusable buffer can take the pull
-            kv = client.fetch(match, device=device, out=client.scratch(match.num_tokens))
-            reused = kv.shape[2]
-            if reused:
-                cache = cache_from_kv(kv)
-                res.reused_local_tokens = client.last_fetch.local_chunks * match.chunk_tokens
-                res.reused_peer_tokens = client.last_fetch.peer_chunks * match.chunk_tokens
-        res.fetch_s = time.perf_counter() - t1
-    if cache is None:
+        logits, cache = _reuse(model, ids, toks, client, cache_salt, res)
+    if logits is None:  # recompute everything
+        t2 = time.perf_counter()
         cache = _new_cache()
-    res.reused_tokens, res.computed_tokens = reused, n - reused
-    kw = _cache_kwarg(model)
-    t2 = time.perf_counter()
-    out = model(input_ids=ids[:, reused:], use_cache=True, logits_to_keep=1, **{kw: cache})
-    logits = out.logits[:, -1]
+        logits = _forward(model, ids, cache, logits_to_keep=1).logits[:, -1]
+        _sync(device)
+        res.prefill_s = time.perf_counter() - t2
+        res.reused_tokens = res.reused_local_tokens = res.reused_peer_tokens = 0
+        if client is not None:
+            client.cost.prefill.observe(n, 0, res.prefill_s)
+    res.computed_tokens = n - res.reused_tokens
     nxt = logits.argmax(-1)
-    res.prefill_s = time.perf_counter() - t2
+    res.tokens.append(int(nxt))
     res.ttft_s = time.perf_counter() - t0
     if keep_logits:
         res.first_logits = logits[0].float().cpu()
-    res.tokens.append(int(nxt))
     if client is not None and store:
         res.stored_chunks = client.store(toks, kv_from_cache(cache, n, model.config.num_hidden_layers), cache_salt)
     for _ in range(max_new_tokens - 1):
-        out = model(input_ids=nxt.view(1, 1), use_cache=True, **{kw: cache})
-        nxt = out.logits[:, -1].argmax(-1)
+        nxt = _forward(model, nxt.view(1, 1), cache).logits[:, -1].argmax(-1)
         res.tokens.append(int(nxt))
     res.total_s = time.perf_counter() - t0
     return res
+
+
+def _reuse(model, ids, toks, client, cache_salt, res: GenerationResult):
+    """Follow the cost model's plan. Returns (logits, cache), or (None, None) to recompute everything."""
+    n = len(toks)
+    t0 = time.perf_counter()
+    match = client.lookup(toks, cache_salt)
+    c = match.chunk_tokens
+    # at least one prompt token must be computed to get the next-token logits
+    match = match.truncate(min(match.num_chunks, (n - 1) // c))
+    plan = client.plan(match, n)
+    res.plan = plan.reason
+    res.lookup_s = time.perf_counter() - t0
+    if plan.end == 0:
+        return None, None
+    device = ids.device
+    front = plan.front * c
+    part = match.select(plan.front, plan.end)
+    t1 = time.perf_counter()
+    load, front_cache, fetched = _start_load(client, part, device, model)
+    if front:  # compute the front while the rest loads
+        front_cache = _new_cache()
+        tf = time.perf_counter()
+        _forward(model, ids[:, :front], front_cache, logits_to_keep=1)
+        _sync(device)
+        client.cost.prefill.observe(front, 0, time.perf_counter() - tf)
+    load = fetched() if callable(fetched) else load
+    loaded = 0 if load is None else load.staging.shape[0] * c
+    res.fetch_s = time.perf_counter() - t1
+    if loaded == 0 and not front:
+        return None, None
+    stats = client.last_fetch
+    res.reused_tokens = loaded
+    res.reused_local_tokens = min(loaded, stats.local_chunks * c)
+    res.reused_peer_tokens = loaded - res.reused_local_tokens
+    t2 = time.perf_counter()
+    logits, cache = prefill_on_load(model, ids[:, front + loaded:], load, loaded, front_cache, front)
+    _sync(device)
+    res.prefill_s = time.perf_counter() - t2
+    if load is not None:
+        ok = load.verified()
+        load.release()
+        if not ok:  # a source chunk failed its checksum: what we computed from it is discarded
+            client.counts["reuse_discarded_checksum"] += 1
+            return None, None
+    return logits, cache
+
+
+def _start_load(client, part, device: torch.device, model):
+    """Start moving `part` toward the model. On a GPU: DMA, asynchronous. On the CPU: a fetch in a thread (it
+    releases the GIL while it copies or waits on sockets), joined by the returned callable."""
+    spec = client.spec
+    if device.type == "cuda":
+        load, _ = client.fetch_to_device(part, device)
+        return load, None, None
+    box = {}
+
+    def run():
+        box["kv"] = client.fetch(part, out=client.scratch(part.num_tokens))
+
+    th = threading.Thread(target=run, name="kvmesh-hf-fetch")
+    th.start()
+
+    def joined():
+        th.join()
+        kv = box.get("kv")
+        if kv is None or kv.shape[2] == 0:
+            return None
+        n = kv.shape[2] // spec.chunk_tokens
+        # [L, 2, n*C, H, D] -> chunk layout [n, L, 2, C, H, D] for the layer-wise consumer
+        staging = kv.unflatten(2, (n, spec.chunk_tokens))  # a view, whatever the scratch buffer's length
+        return LayerwiseLoad(staging.permute(2, 0, 1, 3, 4, 5), [None] * spec.num_layers)
+
+    return None, None, joined
 
 
 def tiny_llama(seed: int = 0, *, vocab_size: int = 4096, hidden_size: int = 256, num_layers: int = 4,

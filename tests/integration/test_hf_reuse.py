@@ -4,6 +4,7 @@ output is token-for-token what recomputing gives."""
 import torch
 
 import kvmesh
+from kvmesh.cost import LinkModel
 from kvmesh.integrations.hf import generate, spec_for_model, tiny_llama
 from tests.integration.conftest import on_node
 
@@ -15,11 +16,17 @@ def model():
                       intermediate_size=256, initializer_range=0.2)
 
 
-def w_generate(prompt, use_kvmesh: bool, salt=None):
+def w_generate(tokens, use_kvmesh: bool, salt=None, load_vs_compute=None):
     torch.set_num_threads(1)
     m = model()
     client = kvmesh.connect(spec_for_model(m, chunk_tokens=CHUNK)) if use_kvmesh else None
-    r = generate(m, prompt, max_new_tokens=12, client=client, cache_salt=salt, keep_logits=True)
+    if load_vs_compute is not None:
+        # a synthetic machine: computing a chunk takes 1 ms, loading one `load_vs_compute` ms
+        for n in (32, 64, 128, 256, 512):
+            client.cost.prefill.observe(n, 0, 1e-3 * n / CHUNK)
+        for name in ("local", "peer"):
+            client.cost.links[name] = LinkModel(client.spec.chunk_bytes / (1e-3 * load_vs_compute), 1e-9)
+    r = generate(m, tokens, max_new_tokens=12, client=client, cache_salt=salt, keep_logits=True)
     if client:
         client.flush()
         client.close()
@@ -70,3 +77,20 @@ def test_salted_tenants_do_not_share(mesh):
     on_node(a, w_generate, p, True, "tenant-x")
     assert on_node(b, w_generate, p, True, "tenant-y").reused_tokens == 0
     assert on_node(b, w_generate, p, True, "tenant-x").reused_tokens == CHUNK * 3
+
+
+def test_cost_model_plans_give_identical_outputs(mesh):
+    a, b, _ = mesh.node_ids
+    doc = prompt(CHUNK * 8, seed=6)
+    p = doc + prompt(10, seed=7)
+    on_node(a, w_generate, p, True)
+    plain = on_node(b, w_generate, p, False)
+    # a link as slow as computing: the front is computed while the back loads
+    split = on_node(b, w_generate, p, True, None, 1.0)
+    assert split.plan == "split" and 0 < split.reused_tokens < CHUNK * 8 and split.tokens == plain.tokens
+    # a hopeless link: recompute, and say so
+    slow = on_node(b, w_generate, p, True, None, 1e3)
+    assert slow.plan == "recompute" and slow.reused_tokens == 0 and slow.tokens == plain.tokens
+    # a fast link: load everything
+    fast = on_node(b, w_generate, p, True, None, 1e-3)
+    assert fast.plan == "load" and fast.reused_tokens == CHUNK * 8 and fast.tokens == plain.tokens

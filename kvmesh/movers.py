@@ -1,0 +1,221 @@
+"""Moves between an engine's KV layouts and kvmesh chunks, and between host tiers and the GPU.
+
+Layouts
+    chunk       [L, 2, C, H, D] contiguous, "page-first": what tiers hold and the wire carries
+    paged       per layer [2, num_blocks, block_size, H, D] plus a block table: vLLM's layout on CUDA
+    contiguous  per layer K and V [1, H, T, D]: transformers' DynamicCache
+
+Primitives (none allocate per page; each runs one indexed kernel per layer over every chunk of a batch):
+
+    gather_paged(layers, block_table, out=None) -> [N, L, 2, C, H, D]       engine pages -> chunks
+    scatter_paged(chunks, layers, block_table)                              chunks -> engine pages (in place)
+    gather_contiguous(keys, values, start, num_chunks, chunk_tokens) -> [N, L, 2, C, H, D]
+    scatter_contiguous(chunks, keys, values, start)                         chunks -> K/V (in place)
+    to_host(chunks, host_dsts, stream=None) -> event                        device chunks -> host buffers, async
+    to_device(host_srcs, spec, device, ...) -> LayerwiseLoad                host chunks -> device, async, with
+                                                                            completion per layer
+
+Host<->device copies move whole contiguous pieces: a chunk, or a group of its layers of at least
+`min_copy_bytes` (a copy has a fixed cost of ~13 µs; 8 MiB pieces keep it under 10 %), all issued at once on a
+side stream, so `store` never stalls the compute stream and a load can run under the attention of earlier layers.
+Host buffers must be page-locked for the copies to be asynchronous (the CPU tier's slab is).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmesh.spec import KVSpec
+
+MiB = 1 << 20
+
+
+def _layer_shape(layers: Sequence[torch.Tensor]) -> tuple[int, int, int]:
+    two, _nb, bs, h, d = layers[0].shape
+    assert two == 2, "paged layers are [2, num_blocks, block_size, heads, head_dim]"
+    return bs, h, d
+
+
+def gather_paged(layers: Sequence[torch.Tensor], block_table: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Chunks [N, L, 2, C, H, D] from paged layers; block_table [N, C // block_size] lists each chunk's pages."""
+    bs, h, d = _layer_shape(layers)
+    n, pages = block_table.shape
+    c = pages * bs
+    flat = block_table.reshape(-1).to(layers[0].device, torch.long)
+    if out is None:
+        out = torch.empty((n, len(layers), 2, c, h, d), dtype=layers[0].dtype, device=layers[0].device)
+    for i, kv in enumerate(layers):
+        g = kv.index_select(1, flat)  # [2, N*pages, bs, H, D]: one kernel for every page of the batch
+        out[:, i].copy_(g.view(2, n, c, h, d).transpose(0, 1))
+    return out
+
+
+def scatter_paged(chunks: torch.Tensor, layers: Sequence[torch.Tensor], block_table: torch.Tensor) -> None:
+    """Write chunks [N, L, 2, C, H, D] into the pages named by block_table [N, C // block_size]."""
+    bs, h, d = _layer_shape(layers)
+    n, pages = block_table.shape
+    flat = block_table.reshape(-1).to(layers[0].device, torch.long)
+    for i, kv in enumerate(layers):
+        src = chunks[:, i].transpose(0, 1).reshape(2, n * pages, bs, h, d)
+        kv.index_copy_(1, flat, src)
+
+
+def gather_contiguous(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], start: int, num_chunks: int,
+                      chunk_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Chunks [N, L, 2, C, H, D] of tokens [start, start + N*C) from per-layer K/V [1, H, T, D]."""
+    _, h, _, d = keys[0].shape
+    n, c = num_chunks, chunk_tokens
+    end = start + n * c
+    if out is None:
+        out = torch.empty((n, len(keys), 2, c, h, d), dtype=keys[0].dtype, device=keys[0].device)
+    for i, (k, v) in enumerate(zip(keys, values)):
+        out[:, i, 0].copy_(k[0, :, start:end].view(h, n, c, d).permute(1, 2, 0, 3))
+        out[:, i, 1].copy_(v[0, :, start:end].view(h, n, c, d).permute(1, 2, 0, 3))
+    return out
+
+
+def scatter_contiguous(chunks: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                       start: int, layers: range | None = None) -> None:
+    """Write chunks [N, L', 2, C, H, D] into K/V [1, H, T, D] at token `start`; `layers` names which model
+    layers the chunks' L' layers are (default: all)."""
+    n, _, _, c, h, d = chunks.shape
+    end = start + n * c
+    for j, i in enumerate(layers if layers is not None else range(chunks.shape[1])):
+        keys[i][0, :, start:end].copy_(chunks[:, j, 0].permute(2, 0, 1, 3).reshape(h, n * c, d))
+        values[i][0, :, start:end].copy_(chunks[:, j, 1].permute(2, 0, 1, 3).reshape(h, n * c, d))
+
+
+def _as_bytes(buf) -> torch.Tensor:
+    if isinstance(buf, torch.Tensor):
+        return buf.view(torch.uint8).reshape(-1)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def to_host(chunks: torch.Tensor, host_dsts: Sequence, stream: torch.cuda.Stream | None = None):
+    """Copy device chunks [N, ...] (contiguous) into N host buffers of chunk size, one DMA each, on `stream`
+    (default: a side stream that first waits for the work queued so far). Returns the CUDA event that marks the
+    end, or None on the CPU (done synchronously). Keep `chunks` alive until the event has passed."""
+    n = chunks.shape[0]
+    flat = chunks.view(n, -1).view(torch.uint8) if chunks.dtype != torch.uint8 else chunks.view(n, -1)
+    if not chunks.is_cuda:
+        for i in range(n):
+            _as_bytes(host_dsts[i]).copy_(flat[i])
+        return None
+    stream = stream or torch.cuda.Stream(device=chunks.device)
+    stream.wait_stream(torch.cuda.current_stream(chunks.device))
+    with torch.cuda.stream(stream):
+        for i in range(n):
+            _as_bytes(host_dsts[i]).copy_(flat[i], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return done
+
+
+@dataclass
+class LayerwiseLoad:
+    """Chunks on their way to the device. `staging` is [N, L, 2, C, H, D]; layer l of every chunk is usable once
+    `wait(l)` returns on the consuming stream. `then(fn)` queues fn(layer, staging[:, layer]) on the load stream
+    after each layer arrives (e.g. a scatter into the engine's layout) and moves the per-layer events past it."""
+
+    staging: torch.Tensor
+    events: list  # per layer: a CUDA event, or None when already complete (CPU)
+    stream: torch.cuda.Stream | None = None
+    _keep: list = field(default_factory=list)  # host buffers referenced by queued copies
+    started: object = None  # CUDA event recorded before the first copy (None on the CPU)
+    cpu_seconds: float = 0.0  # on the CPU, how long the (synchronous) copies took
+    checks: list = field(default_factory=list)  # futures of checksum verifications running beside the copies
+    on_release: list = field(default_factory=list)  # callbacks once the copies are done (e.g. unpin sources)
+
+    @property
+    def num_layers(self) -> int:
+        return self.staging.shape[1]
+
+    def wait(self, layer: int) -> None:
+        ev = self.events[layer]
+        if ev is not None:
+            torch.cuda.current_stream(self.staging.device).wait_event(ev)
+
+    def then(self, fn: Callable[[int, torch.Tensor], None]) -> "LayerwiseLoad":
+        if self.stream is None:
+            for layer in range(self.num_layers):
+                fn(layer, self.staging[:, layer])
+            return self
+        with torch.cuda.stream(self.stream):
+            for layer in range(self.num_layers):
+                self.stream.wait_event(self.events[layer])
+                fn(layer, self.staging[:, layer])
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(self.stream)
+                self.events[layer] = ev
+        return self
+
+    def synchronize(self) -> None:
+        for ev in self.events:
+            if ev is not None:
+                ev.synchronize()
+
+    def seconds(self) -> float:
+        """How long the copies took, first to last (waits for them)."""
+        if self.started is None:
+            return self.cpu_seconds
+        self.synchronize()
+        return self.started.elapsed_time(self.events[-1]) / 1000.0
+
+    def verified(self) -> bool:
+        """Whether every source chunk matched its checksum (waits for the checks). A consumer must not use what
+        it computed from this load when this is False."""
+        return all(f.result() for f in self.checks)
+
+    def release(self) -> None:
+        """Wait for the copies, then run the release callbacks (sources may be reused after this)."""
+        self.synchronize()
+        callbacks, self.on_release = self.on_release, []
+        for cb in callbacks:
+            cb()
+
+
+def layer_groups(spec: KVSpec, min_copy_bytes: int) -> list[range]:
+    """Consecutive layer ranges whose slice of one chunk is at least min_copy_bytes (the last may be smaller)."""
+    layer_bytes = spec.chunk_bytes // spec.num_layers
+    per = max(1, -(-min_copy_bytes // layer_bytes))
+    return [range(i, min(i + per, spec.num_layers)) for i in range(0, spec.num_layers, per)]
+
+
+def to_device(host_srcs: Sequence, spec: KVSpec, device: torch.device | str, *, min_copy_bytes: int = 8 * MiB,
+              stream: torch.cuda.Stream | None = None, out: torch.Tensor | None = None) -> LayerwiseLoad:
+    """Copy N host chunks (buffers of spec.chunk_bytes, page-locked for speed) to the device, layer group by layer
+    group: group g of every chunk is copied before group g+1 starts, so early layers complete first."""
+    device = torch.device(device)
+    n = len(host_srcs)
+    staging = out if out is not None else torch.empty((n, *spec.chunk_shape), dtype=spec.torch_dtype,
+                                                        device=device)
+    flat = staging.view(n, -1).view(torch.uint8)
+    srcs = [_as_bytes(b) for b in host_srcs]
+    layer_bytes = spec.chunk_bytes // spec.num_layers
+    groups = layer_groups(spec, min_copy_bytes)
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for i, src in enumerate(srcs):
+            flat[i].copy_(src[: spec.chunk_bytes])
+        return LayerwiseLoad(staging, [None] * spec.num_layers, cpu_seconds=time.perf_counter() - t0)
+    stream = stream or torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # staging may have been allocated on the compute stream
+    staging.record_stream(stream)
+    events = [None] * spec.num_layers
+    started = torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        started.record(stream)
+        for g in groups:
+            a, b = g.start * layer_bytes, g.stop * layer_bytes
+            for i, src in enumerate(srcs):
+                flat[i, a:b].copy_(src[a:b], non_blocking=True)
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(stream)
+            for layer in g:
+                events[layer] = ev
+    return LayerwiseLoad(staging, events, stream, srcs, started)

@@ -1,0 +1,57 @@
+"""Cost model stories: fits from observations, and plans that never lose to recompute by their own estimate."""
+
+import pytest
+
+from kvmesh.cost import CostModel, LinkModel, PrefillModel
+
+
+def test_link_model_fits_latency_and_bandwidth():
+    link = LinkModel(bandwidth_bps=1e8, latency_s=0.1)  # a bad prior
+    for n in (1 << 20, 8 << 20, 64 << 20, 256 << 20):
+        link.observe(n, 0.002 + n / 5e9)  # truth: 2 ms + 5 GB/s
+    assert link.bandwidth_bps == pytest.approx(5e9, rel=0.05)
+    assert link.latency_s == pytest.approx(0.002, abs=5e-4)
+    link.observe(0, 1.0)  # nonsense is ignored
+    assert link.seconds(0) == 0.0
+
+
+def test_prefill_model_learns_the_quadratic_part():
+    pm = PrefillModel()
+    assert pm.seconds(100) is None and not pm.ready
+    truth = lambda n, p: 0.01 + 1e-4 * n + 1e-8 * n * (p + n / 2)  # noqa: E731
+    for n, p in [(512, 0), (2048, 0), (8192, 0), (64, 8192), (32768, 0), (64, 32768)]:
+        pm.observe(n, p, truth(n, p))
+    for n, p in [(4096, 0), (128, 16384), (16000, 16000)]:
+        assert pm.seconds(n, p) == pytest.approx(truth(n, p), rel=0.05)
+
+
+def cost_model(load_bps: float, latency: float) -> CostModel:
+    cm = CostModel({"local": LinkModel(load_bps, latency)})
+    for n in (256, 1024, 4096, 16384):  # prefill: 1 ms + 10 µs/token + attention
+        cm.prefill.observe(n, 0, 1e-3 + 1e-5 * n + 1e-10 * n * n / 2)
+    return cm
+
+
+def test_fast_link_loads_everything():
+    plan = cost_model(50e9, 1e-4).plan(16384, 256, 1 << 20, ["local"] * 64)
+    assert plan.reason == "load" and (plan.front, plan.end) == (0, 64)
+    assert plan.est_reuse_s < plan.est_recompute_s
+
+
+def test_slow_link_recomputes():
+    plan = cost_model(1e6, 0.5).plan(16384, 256, 1 << 20, ["local"] * 64)
+    assert plan.reason == "recompute" and plan.end == 0
+
+
+def test_comparable_costs_split_the_prefix():
+    # loading a chunk costs about what computing it does: compute the front while the back loads
+    cm = cost_model((1 << 20) / 2.56e-3, 1e-4)
+    plan = cm.plan(16384, 256, 1 << 20, ["local"] * 64)
+    assert plan.reason == "split" and 0 < plan.front < plan.end
+    assert plan.est_reuse_s < cm.plan(16384, 256, 1 << 20, ["local"] * 64, allow_split=False).est_reuse_s
+
+
+def test_without_observations_the_plan_loads_all_and_says_why():
+    plan = CostModel().plan(1000, 256, 1 << 20, ["peer"] * 3)
+    assert (plan.front, plan.end, plan.reason) == (0, 3, "no estimate")
+    assert CostModel().plan(1000, 256, 1, []).reason == "no match"

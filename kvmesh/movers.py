@@ -12,6 +12,7 @@ Primitives (none allocate per page; each runs one indexed kernel per layer over 
     gather_contiguous(keys, values, start, num_chunks, chunk_tokens) -> [N, L, 2, C, H, D]
     scatter_contiguous(chunks, keys, values, start)                         chunks -> K/V (in place)
     to_host(chunks, host_dsts, stream=None) -> event                        device chunks -> host buffers, async
+    store_paged(layers, block_table, host_dsts) -> event                    pages -> host chunks, pipelined
     to_device(host_srcs, spec, device, ...) -> LayerwiseLoad                host chunks -> device, async, with
                                                                             completion per layer
 
@@ -98,7 +99,7 @@ def _as_bytes(buf) -> torch.Tensor:
 
 def to_host(chunks: torch.Tensor, host_dsts: Sequence, stream: torch.cuda.Stream | None = None):
     """Copy device chunks [N, ...] (contiguous) into N host buffers of chunk size, one DMA each, on `stream`
-    (default: a side stream that first waits for the work queued so far). Returns the CUDA event that marks the
+    (default: a new side stream that first waits for the work queued so far on the current stream). Returns the CUDA event that marks the
     end, or None on the CPU (done synchronously). Keep `chunks` alive until the event has passed."""
     n = chunks.shape[0]
     flat = chunks.view(n, -1).view(torch.uint8) if chunks.dtype != torch.uint8 else chunks.view(n, -1)
@@ -106,13 +107,51 @@ def to_host(chunks: torch.Tensor, host_dsts: Sequence, stream: torch.cuda.Stream
         for i in range(n):
             _as_bytes(host_dsts[i]).copy_(flat[i])
         return None
-    stream = stream or torch.cuda.Stream(device=chunks.device)
-    stream.wait_stream(torch.cuda.current_stream(chunks.device))
+    if stream is None:
+        stream = torch.cuda.Stream(device=chunks.device)
+        stream.wait_stream(torch.cuda.current_stream(chunks.device))
     with torch.cuda.stream(stream):
         for i in range(n):
             _as_bytes(host_dsts[i]).copy_(flat[i], non_blocking=True)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=True)
         done.record(stream)
+    return done
+
+
+def store_paged(layers: Sequence[torch.Tensor], block_table: torch.Tensor, host_dsts: Sequence,
+                batch_chunks: int = 8, stream: torch.cuda.Stream | None = None):
+    """Engine pages -> host chunks without stalling the compute stream: on a side stream, gather `batch_chunks`
+    chunks at a time into one of two device staging buffers and DMA each chunk out, so the gather of batch i+1
+    overlaps the copies of batch i. Returns the final CUDA event (None on the CPU, where it runs inline)."""
+    n = block_table.shape[0]
+    if not layers[0].is_cuda:
+        for a in range(0, n, batch_chunks):
+            to_host(gather_paged(layers, block_table[a:a + batch_chunks]), host_dsts[a:a + batch_chunks])
+        return None
+    device = layers[0].device
+    stream = stream or torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    copy_stream = torch.cuda.Stream(device=device)
+    bs, h, d = _layer_shape(layers)
+    c = block_table.shape[1] * bs
+    shape = (min(batch_chunks, n), len(layers), 2, c, h, d)
+    with torch.cuda.stream(stream):
+        bufs = [torch.empty(shape, dtype=layers[0].dtype, device=device) for _ in range(2)]
+        free = [None, None]  # event after which buffer i may be overwritten
+        done = None
+        for j, a in enumerate(range(0, n, batch_chunks)):
+            b = min(a + batch_chunks, n)
+            buf = bufs[j % 2][: b - a]
+            if free[j % 2] is not None:
+                stream.wait_event(free[j % 2])
+            gather_paged(layers, block_table[a:b], out=buf)
+            gathered = torch.cuda.Event()
+            gathered.record(stream)
+            copy_stream.wait_event(gathered)
+            done = to_host(buf, host_dsts[a:b], stream=copy_stream)
+            free[j % 2] = done
+        for buf in bufs:
+            buf.record_stream(copy_stream)
     return done
 
 

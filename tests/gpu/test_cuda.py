@@ -1,0 +1,94 @@
+"""CUDA paths of the data plane. Skipped without a GPU; run on the H200 machine (see the closing notes)."""
+
+import os
+
+import pytest
+import torch
+
+from kvmesh import KVSpec
+from kvmesh.movers import gather_paged, scatter_paged, store_paged, to_device, to_host
+from kvmesh.tiers import checksum
+from kvmesh.tiers.cpu import CpuTier
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+SPEC = KVSpec("m", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", chunk_tokens=64)
+
+
+@pytest.fixture
+def tier(tmp_path):
+    t = CpuTier(os.path.join("/dev/shm", f"kvmesh-test-{os.getpid()}"), 16, SPEC.chunk_bytes)
+    yield t
+    t.close()
+
+
+def slots(tier, n):
+    out = []
+    for _ in range(n):
+        t = tier.prepare_store(os.urandom(16), b"g" * 16, SPEC.chunk_bytes)
+        out.append((t, tier.buffer(t.slot)[: SPEC.chunk_bytes]))
+    return out
+
+
+def test_the_cpu_tier_slab_is_page_locked(tier):
+    assert tier.page_locked
+
+
+def test_paged_gather_and_scatter_match_the_cpu_result():
+    g = torch.Generator().manual_seed(0)
+    cpu_layers = [torch.randn((2, 40, 16, 2, 64), generator=g).to(torch.bfloat16) for _ in range(4)]
+    table = torch.randperm(40, generator=g)[:8].view(2, 4)
+    gpu_layers = [t.cuda() for t in cpu_layers]
+    assert torch.equal(gather_paged(gpu_layers, table.cuda()).cpu(), gather_paged(cpu_layers, table))
+    dst = [torch.zeros_like(t) for t in gpu_layers]
+    scatter_paged(gather_paged(gpu_layers, table.cuda()), dst, table.cuda())
+    assert all(torch.equal(a[:, table.flatten().cuda()], b[:, table.flatten().cuda()]) for a, b in zip(dst, gpu_layers))
+
+
+def test_store_to_the_cpu_tier_and_layerwise_load_round_trip_bit_exact(tier):
+    g = torch.Generator().manual_seed(1)
+    layers = [torch.randn((2, 64, 16, 2, 64), generator=g).to(torch.bfloat16).cuda() for _ in range(4)]
+    table = torch.randperm(64, generator=g)[:32].view(8, 4).cuda()
+    reserved = slots(tier, 8)
+    done = store_paged(layers, table, [v for _, v in reserved], batch_chunks=3)
+    assert done is not None
+    done.synchronize()
+    expect = gather_paged(layers, table).cpu()
+    for i, (ticket, view) in enumerate(reserved):
+        assert bytes(view) == expect[i].view(torch.uint8).numpy().tobytes()
+        tier.complete_store(ticket, checksum(view))
+    load = to_device([v for _, v in reserved], SPEC, "cuda", min_copy_bytes=1)  # one group per layer
+    assert len({id(e) for e in load.events}) == 4  # completion is signalled per layer
+    for layer in range(4):
+        load.wait(layer)
+    assert torch.equal(load.staging.cpu(), expect)
+    tier.check_integrity(verify_checksums=True)
+
+
+def test_store_does_not_wait_for_its_copies():
+    chunks = torch.randn((16, *SPEC.chunk_shape), device="cuda").to(torch.bfloat16)
+    big = [torch.empty(SPEC.chunk_bytes, dtype=torch.uint8).pin_memory() for _ in range(16)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(5e8))  # a long kernel on the compute stream, as a running model would queue
+    ev = to_host(chunks, big)
+    assert not ev.query()  # the call returned with its copies still queued behind the compute stream's work
+    ev.synchronize()
+
+
+def test_prefill_on_load_gives_recompute_tokens_on_the_gpu():
+    from kvmesh.integrations.hf import _forward, _new_cache, generate, prefill_on_load, tiny_llama
+    from kvmesh.movers import gather_contiguous
+
+    model = tiny_llama(3, vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2).cuda()
+    spec = KVSpec("t", 4, 2, 32, "float32", chunk_tokens=32)
+    ids = torch.randint(0, 512, (1, 32 * 6 + 9), generator=torch.Generator().manual_seed(4)).cuda()
+    cache = _new_cache()
+    with torch.inference_mode():
+        _forward(model, ids[:, :192], cache)
+        keys = [cache.layers[i].keys for i in range(4)] if hasattr(cache, "layers") else cache.key_cache
+        values = [cache.layers[i].values for i in range(4)] if hasattr(cache, "layers") else cache.value_cache
+        chunks = gather_contiguous(keys, values, 0, 6, 32).cpu().pin_memory()
+        load = to_device([chunks[i].view(torch.uint8).reshape(-1) for i in range(6)], spec, "cuda")
+        logits, _ = prefill_on_load(model, ids[:, 192:], load, 192)
+    plain = generate(model, ids[0].cpu(), 1, keep_logits=True)
+    assert int(logits.argmax(-1)) == plain.tokens[0]
+    assert torch.allclose(logits[0].float().cpu(), plain.first_logits, atol=1e-3)

@@ -180,17 +180,22 @@ class LayerwiseLoad:
             torch.cuda.current_stream(self.staging.device).wait_event(ev)
 
     def then(self, fn: Callable[[int, torch.Tensor], None]) -> "LayerwiseLoad":
+        """The consumer runs on a stream of its own, so it overlaps the copies of later layers."""
         if self.stream is None:
             for layer in range(self.num_layers):
                 fn(layer, self.staging[:, layer])
             return self
-        with torch.cuda.stream(self.stream):
+        consumer = torch.cuda.Stream(device=self.staging.device)
+        consumer.wait_stream(torch.cuda.current_stream(self.staging.device))
+        self.staging.record_stream(consumer)
+        with torch.cuda.stream(consumer):
             for layer in range(self.num_layers):
-                self.stream.wait_event(self.events[layer])
+                consumer.wait_event(self.events[layer])
                 fn(layer, self.staging[:, layer])
                 ev = torch.cuda.Event(enable_timing=True)
-                ev.record(self.stream)
+                ev.record(consumer)
                 self.events[layer] = ev
+        self._keep.append(consumer)
         return self
 
     def synchronize(self) -> None:

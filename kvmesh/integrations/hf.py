@@ -133,10 +133,8 @@ def prefill_on_load(model, suffix_ids: torch.Tensor, load: LayerwiseLoad | None,
             keys[layer][:, :, :front_tokens].copy_(fk[:, :, :front_tokens])
             values[layer][:, :, :front_tokens].copy_(fv[:, :, :front_tokens])
     if load is not None:
-        if load.stream is not None:
-            load.stream.wait_stream(torch.cuda.current_stream(device))  # K/V allocated on this stream
-            for t in keys + values:
-                t.record_stream(load.stream)
+        # K/V are written on the load's consumer stream; this stream waits for each layer before using it, so
+        # by the time they are freed here the writes are long done
         load.then(lambda layer, piece: scatter_contiguous(piece.unsqueeze(1), keys, values, front_tokens,
                                                           range(layer, layer + 1)))
     cache = _new_cache()

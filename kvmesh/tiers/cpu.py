@@ -14,21 +14,37 @@ from kvmesh.tiers import checksum
 from kvmesh.tiers.slots import Slot, SlotPool, StoreTicket  # noqa: F401  (re-exported)
 
 
-def page_lock(buf, read_only: bool = False) -> bool:
-    """Page-lock `buf` for fast DMA when CUDA is available. Returns whether it did."""
+def page_lock(buf, read_only: bool = False) -> int | None:
+    """Page-lock `buf` for fast DMA when CUDA is available. Returns the registered address (for
+    `page_unlock`), or None when it did not. Never leaves a CUDA error behind for the next kernel to trip on."""
     try:
         import torch
 
         if not torch.cuda.is_available():
-            return False
+            return None
         import numpy as np
 
         arr = np.frombuffer(buf, dtype=np.uint8)
         flags = 0x08 if read_only else 0x00  # cudaHostRegisterReadOnly / cudaHostRegisterDefault
-        err = torch.cuda.cudart().cudaHostRegister(arr.ctypes.data, arr.nbytes, flags)
-        return int(err) == 0
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(arr.ctypes.data, arr.nbytes, flags)
+        if int(err) != 0:
+            if hasattr(cudart, "cudaGetLastError"):
+                cudart.cudaGetLastError()  # clear it: torch checks the last error after every kernel launch
+            return None
+        return arr.ctypes.data
     except Exception:  # pinning is an optimisation; an unpinned slab still works
-        return False
+        return None
+
+
+def page_unlock(address: int | None) -> None:
+    """Undo `page_lock` before the memory is unmapped (a later mapping at the same address must not find a
+    stale registration)."""
+    if address is None:
+        return
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 class CpuTier(SlotPool):
@@ -42,7 +58,11 @@ class CpuTier(SlotPool):
         finally:
             os.close(fd)
         self._view = memoryview(self._mm)
-        self.page_locked = page_lock(self._mm)
+        self._locked_at = page_lock(self._mm)
+
+    @property
+    def page_locked(self) -> bool:
+        return self._locked_at is not None
 
     def buffer(self, slot: int) -> memoryview:
         off = slot * self.slot_bytes
@@ -55,6 +75,8 @@ class CpuTier(SlotPool):
         return checksum(self.chunk_view(slot))
 
     def close(self) -> None:
+        page_unlock(self._locked_at)
+        self._locked_at = None
         self._view.release()
         try:
             self._mm.close()
@@ -77,12 +99,18 @@ class SlabReader:
         finally:
             os.close(fd)
         self._view = memoryview(self._mm)
-        self.page_locked = page_lock(self._mm, read_only=True)
+        self._locked_at = page_lock(self._mm, read_only=True)
+
+    @property
+    def page_locked(self) -> bool:
+        return self._locked_at is not None
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         return self._view[offset:offset + nbytes]
 
     def close(self) -> None:
+        page_unlock(self._locked_at)
+        self._locked_at = None
         self._view.release()
         try:
             self._mm.close()

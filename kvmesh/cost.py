@@ -126,9 +126,14 @@ class LoadPlan:
 
 
 class CostModel:
-    def __init__(self, sources: dict[str, LinkModel] | None = None) -> None:
+    """`margin`: a plan must be estimated at least this much faster than the next simpler one (recompute, then
+    load-all) to be chosen. Estimates are fits of noisy observations, and overlap is never perfect; the margin
+    is what keeps reuse from ever losing to recompute when the two are close."""
+
+    def __init__(self, sources: dict[str, LinkModel] | None = None, margin: float = 0.9) -> None:
         self.prefill = PrefillModel()
         self.links: dict[str, LinkModel] = dict(sources or {})
+        self.margin = margin
 
     def link(self, source: str) -> LinkModel:
         if source not in self.links:
@@ -171,14 +176,14 @@ class CostModel:
         t_load = load(np.zeros_like(ks), ks) + rest
         best = LoadPlan(0, 0, "recompute", None, recompute)
         k = int(np.argmin(t_load[1:])) + 1
-        if t_load[k] < recompute:
+        if t_load[k] < self.margin * recompute:
             best = LoadPlan(0, k, "load", float(t_load[k]), recompute)
         if allow_split and m > 1:
             for end in sorted({k, m} - {0, 1}):
                 fs = np.arange(1, end)
                 t = np.maximum(prefill(fs * chunk_tokens, 0 * fs), load(fs, np.full_like(fs, end))) + rest[end]
                 i = int(np.argmin(t))
-                if t[i] < 0.98 * (best.est_reuse_s if best.est_reuse_s is not None else recompute):
+                if t[i] < self.margin * (best.est_reuse_s if best.est_reuse_s is not None else recompute):
                     best = LoadPlan(int(fs[i]), end, "split", float(t[i]), recompute)
         return best
 

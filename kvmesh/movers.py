@@ -204,11 +204,11 @@ class LayerwiseLoad:
                 ev.synchronize()
 
     def seconds(self) -> float:
-        """How long the copies took, first to last (waits for them)."""
+        """How long the copies took, from issue to the last one (waits for them)."""
         if self.started is None:
             return self.cpu_seconds
         self.synchronize()
-        return self.started.elapsed_time(self.events[-1]) / 1000.0
+        return max(self.started.elapsed_time(ev) for ev in self.events if ev is not None) / 1000.0
 
     def verified(self) -> bool:
         """Whether every source chunk matched its checksum (waits for the checks). A consumer must not use what
@@ -247,19 +247,23 @@ def to_device(host_srcs: Sequence, spec: KVSpec, device: torch.device | str, *, 
         for i, src in enumerate(srcs):
             flat[i].copy_(src[: spec.chunk_bytes])
         return LayerwiseLoad(staging, [None] * spec.num_layers, cpu_seconds=time.perf_counter() - t0)
-    stream = stream or torch.cuda.Stream(device=device)
-    stream.wait_stream(torch.cuda.current_stream(device))  # staging may have been allocated on the compute stream
-    staging.record_stream(stream)
-    events = [None] * spec.num_layers
+    # Two copy streams take turns group by group: one copy's fixed cost hides under the other's transfer.
+    streams = [stream or torch.cuda.Stream(device=device), torch.cuda.Stream(device=device)]
     started = torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        started.record(stream)
-        for g in groups:
+    started.record(torch.cuda.current_stream(device))
+    for st in streams:
+        st.wait_stream(torch.cuda.current_stream(device))  # staging may have been allocated on the compute stream
+        staging.record_stream(st)
+    events = [None] * spec.num_layers
+    for gi, g in enumerate(groups):
+        st = streams[gi % 2]
+        with torch.cuda.stream(st):
             a, b = g.start * layer_bytes, g.stop * layer_bytes
             for i, src in enumerate(srcs):
                 flat[i, a:b].copy_(src[a:b], non_blocking=True)
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record(stream)
+            ev.record(st)
             for layer in g:
                 events[layer] = ev
+    stream = streams[0]
     return LayerwiseLoad(staging, events, stream, srcs, started)

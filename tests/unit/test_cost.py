@@ -48,7 +48,17 @@ def test_comparable_costs_split_the_prefix():
     cm = cost_model((1 << 20) / 2.56e-3, 1e-4)
     plan = cm.plan(16384, 256, 1 << 20, ["local"] * 64)
     assert plan.reason == "split" and 0 < plan.front < plan.end
-    assert plan.est_reuse_s < cm.plan(16384, 256, 1 << 20, ["local"] * 64, allow_split=False).est_reuse_s
+    plain = cm.plan(16384, 256, 1 << 20, ["local"] * 64, allow_split=False)
+    assert plan.est_reuse_s < min(t for t in (plain.est_reuse_s, plain.est_recompute_s) if t is not None)
+
+
+def test_a_close_call_recomputes():
+    # loading is estimated 5 % faster than recomputing: inside the margin, so recompute
+    cm = CostModel({"local": LinkModel(1e12, 0.0)}, margin=0.9)
+    for n in (256, 1024, 4096):
+        cm.prefill.observe(n, 0, 1e-3 * n)
+    cm.links["local"] = LinkModel(1e12, 0.95 * cm.prefill.seconds(4096) - cm.prefill.seconds(96, 4000))
+    assert cm.plan(4096, 256, 1 << 20, ["local"] * 15, allow_split=False).reason == "recompute"
 
 
 def test_without_observations_the_plan_loads_all_and_says_why():

@@ -57,13 +57,14 @@ def gather_paged(layers: Sequence[torch.Tensor], block_table: torch.Tensor,
 
 
 def scatter_paged(chunks: torch.Tensor, layers: Sequence[torch.Tensor], block_table: torch.Tensor) -> None:
-    """Write chunks [N, L, 2, C, H, D] into the pages named by block_table [N, C // block_size]."""
+    """Write chunks [N, L, 2, C, H, D] into the pages named by block_table [N, C // block_size]: one indexed
+    write per layer and K/V, straight from the (strided) chunk memory."""
     bs, h, d = _layer_shape(layers)
     n, pages = block_table.shape
-    flat = block_table.reshape(-1).to(layers[0].device, torch.long)
+    idx = block_table.to(layers[0].device, torch.long)
     for i, kv in enumerate(layers):
-        src = chunks[:, i].transpose(0, 1).reshape(2, n * pages, bs, h, d)
-        kv.index_copy_(1, flat, src)
+        for j in (0, 1):
+            kv[j][idx] = chunks[:, i, j].view(n, pages, bs, h, d)
 
 
 def gather_contiguous(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], start: int, num_chunks: int,
@@ -247,23 +248,19 @@ def to_device(host_srcs: Sequence, spec: KVSpec, device: torch.device | str, *, 
         for i, src in enumerate(srcs):
             flat[i].copy_(src[: spec.chunk_bytes])
         return LayerwiseLoad(staging, [None] * spec.num_layers, cpu_seconds=time.perf_counter() - t0)
-    # Two copy streams take turns group by group: one copy's fixed cost hides under the other's transfer.
-    streams = [stream or torch.cuda.Stream(device=device), torch.cuda.Stream(device=device)]
-    started = torch.cuda.Event(enable_timing=True)
-    started.record(torch.cuda.current_stream(device))
-    for st in streams:
-        st.wait_stream(torch.cuda.current_stream(device))  # staging may have been allocated on the compute stream
-        staging.record_stream(st)
+    stream = stream or torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # staging may have been allocated on the compute stream
+    staging.record_stream(stream)
     events = [None] * spec.num_layers
-    for gi, g in enumerate(groups):
-        st = streams[gi % 2]
-        with torch.cuda.stream(st):
+    started = torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        started.record(stream)
+        for g in groups:
             a, b = g.start * layer_bytes, g.stop * layer_bytes
             for i, src in enumerate(srcs):
                 flat[i, a:b].copy_(src[a:b], non_blocking=True)
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record(st)
+            ev.record(stream)
             for layer in g:
                 events[layer] = ev
-    stream = streams[0]
     return LayerwiseLoad(staging, events, stream, srcs, started)

@@ -13,6 +13,7 @@ Primitives (none allocate per page; each runs one indexed kernel per layer over 
     scatter_contiguous(chunks, keys, values, start)                         chunks -> K/V (in place)
     to_host(chunks, host_dsts, stream=None) -> event                        device chunks -> host buffers, async
     store_paged(layers, block_table, host_dsts) -> event                    pages -> host chunks, pipelined
+    load_paged(host_srcs, spec, layers, block_table) -> event               host chunks -> pages, pipelined
     to_device(host_srcs, spec, device, ...) -> LayerwiseLoad                host chunks -> device, async, with
                                                                             completion per layer
 
@@ -153,6 +154,49 @@ def store_paged(layers: Sequence[torch.Tensor], block_table: torch.Tensor, host_
             free[j % 2] = done
         for buf in bufs:
             buf.record_stream(copy_stream)
+    return done
+
+
+def load_paged(host_srcs: Sequence, spec: KVSpec, layers: Sequence[torch.Tensor], block_table: torch.Tensor,
+               batch_chunks: int = 8, stream: torch.cuda.Stream | None = None):
+    """Host chunks -> engine pages, pipelined: one DMA per chunk into one of two device staging buffers, and
+    the scatter of batch i (on its own stream) overlaps the copies of batch i+1. Completion is per batch, not
+    per layer (see `to_device` for layer-wise). Returns the final CUDA event (None on the CPU)."""
+    n = block_table.shape[0]
+    device = layers[0].device
+    if not layers[0].is_cuda:
+        for a in range(0, n, batch_chunks):
+            ld = to_device(host_srcs[a:a + batch_chunks], spec, device)
+            scatter_paged(ld.staging, layers, block_table[a:a + batch_chunks])
+        return None
+    copy_stream = stream or torch.cuda.Stream(device=device)
+    scatter_stream = torch.cuda.Stream(device=device)
+    for st in (copy_stream, scatter_stream):
+        st.wait_stream(torch.cuda.current_stream(device))
+    shape = (min(batch_chunks, n), *spec.chunk_shape)
+    bufs = [torch.empty(shape, dtype=spec.torch_dtype, device=device) for _ in range(2)]
+    free: list = [None, None]
+    done = None
+    for j, a in enumerate(range(0, n, batch_chunks)):
+        b = min(a + batch_chunks, n)
+        buf = bufs[j % 2][: b - a]
+        flat = buf.view(b - a, -1).view(torch.uint8)
+        with torch.cuda.stream(copy_stream):
+            if free[j % 2] is not None:
+                copy_stream.wait_event(free[j % 2])
+            for i in range(a, b):
+                flat[i - a].copy_(_as_bytes(host_srcs[i])[: spec.chunk_bytes], non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record(copy_stream)
+        with torch.cuda.stream(scatter_stream):
+            scatter_stream.wait_event(arrived)
+            scatter_paged(buf, layers, block_table[a:b])
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(scatter_stream)
+            free[j % 2] = done
+    for buf in bufs:
+        buf.record_stream(copy_stream)
+        buf.record_stream(scatter_stream)
     return done
 
 

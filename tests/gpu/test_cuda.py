@@ -62,6 +62,11 @@ def test_store_to_the_cpu_tier_and_layerwise_load_round_trip_bit_exact(tier):
         load.wait(layer)
     assert torch.equal(load.staging.cpu(), expect)
     tier.check_integrity(verify_checksums=True)
+    from kvmesh.movers import load_paged
+
+    targets = [torch.zeros_like(t) for t in layers]
+    load_paged([v for _, v in reserved], SPEC, targets, table, batch_chunks=3).synchronize()
+    assert torch.equal(gather_paged(targets, table).cpu(), expect)
 
 
 def test_store_does_not_wait_for_its_copies():

@@ -67,3 +67,16 @@ def test_layer_groups_cover_every_layer_once_in_big_enough_pieces():
     assert layer_groups(SPEC, 1) == [range(0, 1), range(1, 2), range(2, 3)]
     assert layer_groups(SPEC, 2 * layer_bytes) == [range(0, 2), range(2, 3)]
     assert layer_groups(SPEC, 10 * layer_bytes) == [range(0, 3)]
+
+
+def test_pipelined_paged_store_and_load_round_trip():
+    from kvmesh.movers import load_paged, store_paged
+
+    spec = KVSpec("m", num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32", chunk_tokens=8)
+    src = paged_layers(num_blocks=12)
+    table = torch.tensor([[7, 2], [0, 9], [11, 4]])
+    hosts = [bytearray(spec.chunk_bytes) for _ in range(3)]
+    assert store_paged(src, table, hosts, batch_chunks=2) is None
+    dst = [torch.zeros_like(t) for t in src]
+    load_paged(hosts, spec, dst, table, batch_chunks=2)
+    assert torch.equal(gather_paged(dst, table), gather_paged(src, table))

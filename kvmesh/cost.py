@@ -28,9 +28,13 @@ WINDOW = 64  # observations kept per model
 
 
 def _lstsq(rows: list[list[float]], ys: list[float], prior: np.ndarray | None = None) -> np.ndarray | None:
+    """Least squares of relative error (each observation weighted by 1 / its time): a 10 ms prefill is fitted
+    as well as a 1 s one, so short prompts are not misjudged by a fit that only the long ones shaped."""
     if not rows:
         return prior
     a, y = np.asarray(rows, dtype=float), np.asarray(ys, dtype=float)
+    w = 1.0 / np.maximum(y, 1e-9)
+    a, y = a * w[:, None], y * w
     if prior is not None:  # a weak pull toward the prior keeps a few observations from running away
         w = 1e-3 * max(1.0, float(np.abs(a).max()))
         a = np.vstack([a, w * np.eye(len(prior))])

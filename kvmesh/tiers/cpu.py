@@ -57,6 +57,11 @@ class CpuTier(SlotPool):
             self._mm = mmap.mmap(fd, num_slots * slot_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer page-table entries for DMA where shmem huge pages are allowed
+            try:
+                self._mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
         self._view = memoryview(self._mm)
         self._locked_at = page_lock(self._mm)
 

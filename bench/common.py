@@ -34,6 +34,9 @@ def machine() -> dict:
 
 
 def commit() -> str:
+    """The git commit measured; `$KVMESH_COMMIT` where the copy has no .git (e.g. a lent GPU machine)."""
+    if os.environ.get("KVMESH_COMMIT"):
+        return os.environ["KVMESH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent, check=True).stdout.strip()

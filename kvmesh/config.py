@@ -19,6 +19,9 @@ class KVMeshConfig:
     cpu_bytes: int = 1 * GiB  # shared-memory CPU tier per node
     slot_bytes: int = 4 * MiB  # one chunk per slot; chunks larger than this cannot be stored
     shm_dir: str = "/dev/shm"
+    gpu_bytes: int = 0  # GPU tier per node, above the CPU tier; 0 = none (the KVNode must see a GPU to use it)
+    gpu_device: str = "cuda"
+    promote_on_hit: bool = True  # a hit on a CPU-only chunk copies it up into the GPU tier
 
     # liveness
     lease_s: float = 5.0  # a node's directory entries die this long after its last heartbeat
@@ -37,6 +40,11 @@ class KVMeshConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"KVMeshConfig.{name} must be a positive integer, got {v!r}")
+        if isinstance(self.gpu_bytes, bool) or not isinstance(self.gpu_bytes, int) or self.gpu_bytes < 0:
+            raise ValueError(f"KVMeshConfig.gpu_bytes must be a non-negative integer, got {self.gpu_bytes!r}")
+        if 0 < self.gpu_bytes < self.slot_bytes:
+            raise ValueError(f"KVMeshConfig.gpu_bytes ({self.gpu_bytes}) must hold at least one slot "
+                             f"of slot_bytes ({self.slot_bytes})")
         if self.cpu_bytes < self.slot_bytes:
             raise ValueError(f"KVMeshConfig.cpu_bytes ({self.cpu_bytes}) must hold at least one slot "
                              f"of slot_bytes ({self.slot_bytes})")

@@ -83,6 +83,11 @@ def start(redis_url: str | None = None, *, config: KVMeshConfig | None = None, t
     finally:
         d.close()
     cls = kvnode_actor_class()
+    extra = {}
+    if cfg.gpu_bytes:
+        # A KVNode reserves no GPU from Ray (the engines own them) but its GPU tier must see the device: keep
+        # Ray from hiding it behind an empty CUDA_VISIBLE_DEVICES.
+        extra["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
     handles = []
     for node in ray.nodes():
         if not node.get("Alive"):
@@ -93,7 +98,7 @@ def start(redis_url: str | None = None, *, config: KVMeshConfig | None = None, t
         handles.append(cls.options(
             name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
             max_concurrency=32, max_restarts=-1, max_task_retries=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **extra,
         ).remote(cfg.to_dict(), node_id, name, host))
     hellos = [NodeHello.unpack(h) for h in ray.get([h.hello.remote() for h in handles], timeout=timeout_s)]
     return Mesh(cfg, tuple(h.info for h in hellos))

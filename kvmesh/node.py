@@ -33,7 +33,8 @@ import redis
 
 from kvmesh.config import KVMeshConfig
 from kvmesh.directory import Directory, Lease
-from kvmesh.tiers import TIER_CPU, checksum
+from kvmesh.tiers import checksum
+from kvmesh.cascade import Cascade
 from kvmesh.tiers.cpu import CpuTier
 from kvmesh.transport import DataServer
 from kvmesh.wire import (NodeInfo, PinnedChunk, WireError, pack_chunk_header, pack_pin_reply, unpack_keys,
@@ -79,7 +80,14 @@ class KVNode:
         os.makedirs(cfg.shm_dir, exist_ok=True)
         remove_stale_slabs(cfg.shm_dir)
         path = os.path.join(cfg.shm_dir, f"kvmesh-{node_tag}-{os.getpid()}-{secrets.token_hex(4)}")
-        self.tier = CpuTier(path, cfg.num_slots, cfg.slot_bytes)
+        self.tier = CpuTier(path, cfg.num_slots, cfg.slot_bytes)  # the slab every reader maps
+        gpu = None
+        if cfg.gpu_bytes:
+            from kvmesh.tiers.gpu import GpuTier  # torch is imported only by nodes with a GPU tier
+
+            gpu = GpuTier(cfg.gpu_bytes // cfg.slot_bytes, cfg.slot_bytes, cfg.gpu_device)
+        self.cascade = Cascade(self.tier, gpu)
+        self._promote: list[bytes] = []  # keys hit on the CPU tier, promoted by the maintenance thread
         self.data_server = None
         try:
             if cfg.peer_transport == "tcp":
@@ -111,7 +119,7 @@ class KVNode:
     def pin(self, request: bytes) -> bytes:
         keys = unpack_keys(request, "PinRequest")
         with self._lock:
-            slots = self.tier.pin(keys)
+            slots = self._pin_host(keys)
             pin_id = next(self._pin_ids)
             if slots:
                 self._pins[pin_id] = (slots, time.monotonic() + self.config.pin_ttl_s)
@@ -119,6 +127,13 @@ class KVNode:
             self.stats_counts["pins"] += 1
             self.stats_counts["pinned_chunks"] += len(slots)
         return pack_pin_reply(pin_id, rows, self.info.slab_path)
+
+    def _pin_host(self, keys: list[bytes]) -> list[int]:
+        """Caller holds the lock. Pins the leading run in the CPU slab (copying GPU-only chunks into it)."""
+        slots = self.cascade.pin_host(keys)
+        if self.cascade.gpu is not None and self.config.promote_on_hit:
+            self._promote.extend(keys[:len(slots)])
+        return slots
 
     def unpin(self, pin_id: int) -> None:
         if isinstance(pin_id, bool) or not isinstance(pin_id, int):
@@ -148,7 +163,7 @@ class KVNode:
     def pull(self, request: bytes) -> tuple[bytes, np.ndarray]:
         keys = unpack_keys(request, "PullRequest")
         with self._lock:
-            slots = self.tier.pin(keys)
+            slots = self._pin_host(keys)
             sizes = [self.tier.record(s).nbytes for s in slots]
         out = np.empty(sum(sizes), dtype=np.uint8)
         rows, bad, off = [], [], 0
@@ -175,7 +190,7 @@ class KVNode:
     def _pin_for_send(self, keys: list[bytes]) -> tuple[list[int], list[tuple[int, int]], list[memoryview]]:
         """For the DataServer: pin the leading run of `keys`; the client verifies the checksums it receives."""
         with self._lock:
-            slots = self.tier.pin(keys)
+            slots = self._pin_host(keys)
             rows = [(self.tier.record(s).nbytes, self.tier.record(s).checksum) for s in slots]
             self.stats_counts["pulls"] += 1
             self.stats_counts["pulled_chunks"] += len(slots)
@@ -193,8 +208,6 @@ class KVNode:
         if buf.dtype != np.uint8 or buf.ndim != 1 or buf.size != sum(i.nbytes for i in items):
             raise WireError("StoreRequest: buffer size does not match the header")
         offsets = list(itertools.accumulate((i.nbytes for i in items), initial=0))
-        stored: dict[bytes, list[bytes]] = defaultdict(list)
-        evicted: list[tuple[bytes, bytes]] = []
         counts: Counter[str] = Counter()
         # Last chunk first: the policy then holds a prompt's head as most recent, so eviction trims tails.
         for idx in range(len(items) - 1, -1, -1):
@@ -202,53 +215,64 @@ class KVNode:
             if item.nbytes > self.tier.slot_bytes:
                 counts["store_refused_too_big"] += 1
                 continue
+            src = buf[offsets[idx]:offsets[idx + 1]]
             with self._lock:
-                ticket = self.tier.prepare_store(item.key, item.group, item.nbytes)
+                ticket = self.cascade.prepare(item.key, item.group, item.nbytes)
+                top = self.cascade.top
             if ticket is None:
-                counts["store_skipped" if self.tier.slot_of(item.key) is not None else "store_refused_full"] += 1
+                counts["store_skipped" if self.cascade.holds(item.key) else "store_refused_full"] += 1
                 continue
-            dst = np.frombuffer(self.tier.buffer(ticket.slot), dtype=np.uint8)[: item.nbytes]
-            np.copyto(dst, buf[offsets[idx]:offsets[idx + 1]])
-            ok = checksum(dst) == item.checksum
+            if top is self.tier:  # copy, then check what landed
+                dst = np.frombuffer(self.tier.buffer(ticket.slot), dtype=np.uint8)[: item.nbytes]
+                np.copyto(dst, src)
+                ok = checksum(dst) == item.checksum
+            else:  # check the bytes before they go up to the device
+                ok = checksum(src) == item.checksum
+                if ok:
+                    import torch
+
+                    top.buffer(ticket.slot)[: item.nbytes].copy_(torch.from_numpy(src))
             with self._lock:
                 if ok:
-                    self.tier.complete_store(ticket, item.checksum)
+                    self.cascade.complete(ticket, item.checksum)
                 else:
-                    self.tier.abort_store(ticket)
-            evicted.extend(ticket.evicted)
-            if ok:
-                stored[item.group].append(item.key)
-                counts["stored_chunks"] += 1
-            else:
-                counts["store_corrupt_in_transit"] += 1
-        counts["evictions"] += len(evicted)
+                    self.cascade.abort(ticket)
+            counts["stored_chunks" if ok else "store_corrupt_in_transit"] += 1
         with self._lock:
             self.stats_counts.update(counts)
-        self._directory_update(evicted, stored)
+        self._sync_directory()
         return counts["stored_chunks"]
 
     def _drop(self, chunks: list[tuple[bytes, bytes]]) -> None:
-        """Forget corrupt chunks: out of the tier and out of the directory."""
+        """Forget corrupt chunks: out of every tier and out of the directory."""
         if not chunks:
             return
         with self._lock:
             for _group, key in chunks:
-                self.tier.discard(key)
+                self.cascade.discard(key)
             self.stats_counts["corrupt_dropped"] += len(chunks)
         log.warning("KVNode %s dropped %d corrupt chunk(s)", self.node_id[:8], len(chunks))
-        self._directory_update(chunks, {})
+        self._sync_directory()
 
-    def _directory_update(self, removed: list[tuple[bytes, bytes]], added: dict[bytes, list[bytes]]) -> None:
-        if self.fenced:
+    def _sync_directory(self) -> None:
+        """Tell the directory what the cascade changed: each chunk's best tier now, or that it is gone."""
+        with self._lock:
+            changes = self.cascade.drain()
+        if not changes or self.fenced:
             return
-        by_group: dict[bytes, list[bytes]] = defaultdict(list)
-        for group, key in removed:
-            by_group[group].append(key)
+        removed: dict[bytes, list[bytes]] = defaultdict(list)
+        by_tier: dict[int, dict[bytes, list[bytes]]] = defaultdict(lambda: defaultdict(list))
+        for (group, key), tier in changes.items():
+            if tier is None:
+                removed[group].append(key)
+            else:
+                by_tier[tier][group].append(key)
         try:
-            for group, keys in by_group.items():
+            for group, keys in removed.items():
                 self.directory.unregister(self.lease, group, keys)
-            for group, keys in added.items():
-                self.directory.register(self.lease, TIER_CPU, group, keys)
+            for tier, groups in by_tier.items():
+                for group, keys in groups.items():
+                    self.directory.register(self.lease, tier, group, keys)
         except redis.RedisError as e:
             self._dirty = True
             with self._lock:
@@ -259,6 +283,7 @@ class KVNode:
     def _maintain(self) -> None:
         while not self._stop.wait(self.config.heartbeat_s):
             self._expire_pins()
+            self._run_promotions()
             if self.fenced:
                 continue
             try:
@@ -275,6 +300,14 @@ class KVNode:
                 with self._lock:
                     self.stats_counts["directory_errors"] += 1
                 log.debug("heartbeat failed: %s", e)
+
+    def _run_promotions(self) -> None:
+        with self._lock:
+            keys, self._promote = self._promote, []
+            if keys:
+                self.cascade.promote(list(dict.fromkeys(keys)))
+        if keys:
+            self._sync_directory()
 
     def _expire_pins(self) -> None:
         now = time.monotonic()
@@ -295,12 +328,14 @@ class KVNode:
     def _reregister(self) -> None:
         self._dirty = False
         with self._lock:
-            chunks = self.tier.ready_chunks()
-        groups: dict[bytes, list[bytes]] = defaultdict(list)
-        for group, key in chunks:
-            groups[group].append(key)
+            chunks = self.cascade.ready_chunks()
+            self.cascade.drain()  # everything is registered afresh below
+        by_tier: dict[int, dict[bytes, list[bytes]]] = defaultdict(lambda: defaultdict(list))
+        for group, key, tier in chunks:
+            by_tier[tier][group].append(key)
         try:
-            self.directory.register_many(self.lease, TIER_CPU, groups)
+            for tier, groups in by_tier.items():
+                self.directory.register_many(self.lease, tier, groups)
         except redis.RedisError:
             self._dirty = True
             raise
@@ -308,14 +343,19 @@ class KVNode:
     def stats(self) -> dict:
         with self._lock:
             d = dict(self.stats_counts)
+            d.update(self.cascade.counts, evictions=self.cascade.counts["demotions"] + self.cascade.counts["drops"])
             d.update(node_id=self.node_id, pid=os.getpid(), incarnation=self.lease.incarnation, chunks=len(self.tier),
                      used_bytes=self.tier.used_bytes, capacity_bytes=self.tier.num_slots * self.tier.slot_bytes,
                      pinned=sum(len(s) for s, _ in self._pins.values()), fenced=self.fenced)
+            gpu = self.cascade.gpu
+            if gpu is not None:
+                d.update(gpu_chunks=len(gpu), gpu_used_bytes=gpu.used_bytes,
+                         gpu_capacity_bytes=gpu.num_slots * gpu.slot_bytes)
         return d
 
     def check_integrity(self, verify_checksums: bool = True) -> None:
         with self._lock:
-            self.tier.check_integrity(verify_checksums=verify_checksums)
+            self.cascade.check_integrity(verify_checksums=verify_checksums)
 
     def shutdown(self) -> None:
         if self._stop.is_set():
@@ -326,10 +366,13 @@ class KVNode:
             self.data_server.shutdown()
         try:
             with self._lock:
-                chunks = self.tier.ready_chunks()
-            self._directory_update(chunks, {})
+                for group, key, _tier in self.cascade.ready_chunks():
+                    self.cascade.changes[(group, key)] = None
+            self._sync_directory()
             self.directory.leave(self.lease)
         except redis.RedisError:
             pass  # the lease lapses on its own
         self.directory.close()
         self.tier.close()
+        if self.cascade.gpu is not None:
+            self.cascade.gpu.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 
-from kvmesh.tiers import checksum
+from kvmesh.tiers import TIER_CPU, checksum
 from kvmesh.tiers.slots import Slot, SlotPool, StoreTicket  # noqa: F401  (re-exported)
 
 
@@ -48,6 +48,8 @@ def page_unlock(address: int | None) -> None:
 
 
 class CpuTier(SlotPool):
+    tier_id = TIER_CPU
+
     def __init__(self, path: str, num_slots: int, slot_bytes: int) -> None:
         super().__init__(num_slots, slot_bytes)
         self.path = path

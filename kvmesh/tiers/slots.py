@@ -19,6 +19,7 @@ or in `_by_key`, never both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.policy import LRUPolicy
@@ -48,6 +49,8 @@ class StoreTicket:
 
 class SlotPool:
     """Bookkeeping of one tier; subclasses own the memory (`buffer`, `checksum_of`, `close`)."""
+
+    tier_id = -1  # TIER_GPU / TIER_CPU / TIER_DISK, set by each tier
 
     def __init__(self, num_slots: int, slot_bytes: int) -> None:
         assert num_slots > 0 and slot_bytes > 0
@@ -79,19 +82,30 @@ class SlotPool:
         return sum(s.nbytes for s in self._slots if s.key is not None)
 
     # -- store --------------------------------------------------------------------------------------------------
-    def prepare_store(self, key: bytes, group: bytes, nbytes: int) -> StoreTicket | None:
+    def prepare_store(self, key: bytes, group: bytes, nbytes: int,
+                      on_evict: Callable[[int], None] | None = None,
+                      protect: set[bytes] | frozenset = frozenset()) -> StoreTicket | None:
+        """`on_evict(slot)` runs for a victim while its bytes are still in place (to demote it); keys in
+        `protect` are not evicted for this store."""
         assert 0 < nbytes <= self.slot_bytes
         if key in self._by_key:
             return None
         evicted: list[tuple[bytes, bytes]] = []
         if not self._free:
-            victims = self._policy.evict(1, lambda k: self._slots[self._by_key[k]].pins == 0)
+            victims = self._policy.evict(1, lambda k: self._slots[self._by_key[k]].pins == 0 and k not in protect)
             if victims is None:
                 return None
             for k in victims:
-                s = self._slots[self._by_key[k]]
+                slot = self._by_key[k]
+                s = self._slots[slot]
                 evicted.append((s.group, k))
-                self._release(self._by_key[k])
+                if on_evict is not None:
+                    s.pins += 1  # the victim's bytes stay put while they are demoted
+                    try:
+                        on_evict(slot)
+                    finally:
+                        s.pins -= 1
+                self._release(slot)
         slot = self._free.pop()
         s = self._slots[slot]
         s.key, s.group, s.nbytes, s.pins, s.ready, s.doomed = key, group, nbytes, 1, False, False

@@ -1,5 +1,7 @@
 """KVNode as a plain class (no Ray) against a real redis-server: store, pin, pull, corruption, resync."""
 
+import time
+
 import numpy as np
 import pytest
 import redis
@@ -85,7 +87,7 @@ def test_eviction_unregisters_and_keeps_prefix_heads(node):
     node.store(*chunks(*range(1, 9)))  # fills all 8 slots
     node.store(*chunks(*range(11, 15)))  # 4 more: evicts 4 of the first prompt's tail chunks
     assert len(lookup(node, range(1, 9))) == 4  # the head 1..4 survives
-    assert node.stats()["evictions"] == 4
+    assert node.stats()["evictions"] == 4 and node.stats()["drops"] == 4  # no tier below the CPU: dropped
     node.check_integrity()
 
 
@@ -118,3 +120,43 @@ def test_redis_restart_empty_triggers_resync_under_a_new_incarnation(node, redis
     assert lookup(node, [1])[0][0].incarnation == node.lease.incarnation
     assert node.stats()["resyncs"] == 1
     d.close()
+
+
+@pytest.fixture
+def gpu_node(redis_server, tmp_path):
+    """A node with a 2-slot GPU tier above a 4-slot CPU tier; on machines without CUDA the GPU tier lives on a
+    CPU stand-in device, which exercises the same cascade."""
+    import torch
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    cfg = KVMeshConfig(redis_url=redis_server.url, key_prefix="tn", cpu_bytes=4 * SLOT, slot_bytes=SLOT,
+                       gpu_bytes=2 * SLOT, gpu_device="cuda" if torch.cuda.is_available() else "cpu",
+                       lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path))
+    n = KVNode(cfg, "node-g" * 4, "kvnode-g")
+    yield n
+    n.shutdown()
+
+
+def tiers(node, ids) -> list:
+    rows = lookup(node, ids)
+    return [r[0].tier for r in rows]
+
+
+def test_gpu_tier_first_then_demotion_and_promotion_with_the_directory_tracking(gpu_node):
+    from kvmesh.tiers import TIER_CPU, TIER_GPU
+
+    gpu_node.store(*chunks(1, 2))
+    assert tiers(gpu_node, [1, 2]) == [TIER_GPU, TIER_GPU]
+    gpu_node.store(*chunks(3, 4))  # the GPU tier holds 2: the older ones are demoted to the CPU tier
+    assert tiers(gpu_node, [1, 2, 3, 4]) == [TIER_CPU, TIER_CPU, TIER_GPU, TIER_GPU]
+    assert gpu_node.stats()["demotions"] == 2
+    header, data = gpu_node.pull(pack_keys([k(3), k(4), k(1)]))  # peers read every tier, bit-exact
+    assert data.size == 3 * SLOT and [int(data[i * SLOT]) for i in range(3)] == [3, 4, 1]
+    time.sleep(0.5)  # a maintenance pass: 1 is not promoted, it would evict 3 or 4 of the same hit
+    assert gpu_node.stats()["promotions"] == 0
+    header, data = gpu_node.pull(pack_keys([k(1), k(2)]))
+    # the hit on 1 and 2 (CPU only) promotes them on the next maintenance pass; 3 and 4 go down (they have
+    # CPU copies now, made for the first reader, so nothing needs copying)
+    wait_until(lambda: tiers(gpu_node, [1, 2, 3, 4]) == [TIER_GPU, TIER_GPU, TIER_CPU, TIER_CPU], 5)
+    assert gpu_node.stats()["promotions"] >= 2
+    gpu_node.check_integrity()

@@ -29,12 +29,24 @@ def page_lock(buf, read_only: bool = False) -> int | None:
         cudart = torch.cuda.cudart()
         err = cudart.cudaHostRegister(arr.ctypes.data, arr.nbytes, flags)
         if int(err) != 0:
-            if hasattr(cudart, "cudaGetLastError"):
-                cudart.cudaGetLastError()  # clear it: torch checks the last error after every kernel launch
+            _clear_cuda_error()  # torch checks the last CUDA error after every kernel launch
             return None
         return arr.ctypes.data
     except Exception:  # pinning is an optimisation; an unpinned slab still works
         return None
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's sticky-until-read last error (torch's cudart binding has no cudaGetLastError)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            path = next((line.split()[-1] for line in f if "libcudart" in line), None)
+        if path:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass
 
 
 def page_unlock(address: int | None) -> None:

@@ -1,31 +1,40 @@
-"""The tier cascade of one KVNode: GPU (optional) above the CPU slab. Pure logic over the tiers; the node holds
-its lock around every call and turns `changes` into directory updates.
+"""The tier cascade of one KVNode: GPU (optional) above the CPU slab above a local disk (optional). Pure
+bookkeeping and memory copies over the tiers; the node holds its lock around every call, runs the disk I/O it
+is handed on its I/O threads, and turns `changes` into directory updates.
 
     holds(key) / best_tier(key)             which tier has a chunk (the directory shows the best one)
     prepare(key, group, nbytes)             reserve a slot in the top tier; its victims are demoted, not dropped
-    complete(tier, ticket, checksum)        the chunk becomes readable
-    pin_host(keys) -> [cpu slot]            the leading run of keys, pinned in the CPU slab (readers need host
-                                            bytes); a chunk only on the GPU is copied into a CPU slot first
-    promote(keys) -> int                    copy CPU-only chunks up into the GPU tier (promotion on hit), head
-                                            of the prefix first, never evicting another chunk of the same hit
+    complete(ticket, checksum)              the chunk becomes readable (and, write_through, queued for disk)
+    prepare_host(keys) -> (n, reads)        phase 1 of a read: the leading n keys can be served from the CPU slab;
+                                            `reads` are disk chunks to bring up first (CPU slots reserved)
+    finish_host(keys, n, reads, ok) -> [slot]   phase 2: pins the leading run that made it into the CPU slab
+    take_writes() -> [WriteJob]             disk writes to run (demotions, write-through); `finish_write` after
+    promote(keys) -> int                    copy CPU-only chunks up into the GPU tier (promotion on hit)
     discard(key)                            forget a chunk everywhere (corruption)
     ready_chunks() -> [(group, key, tier)]  everything held, with its best tier
 
-Copies between tiers keep the chunk's checksum: it was verified when the bytes entered the node. The GPU tier is
-inclusive of nothing and exclusive of nothing: a chunk may sit in both tiers (a copy made for a reader, or a
-promotion), and leaving one tier moves it down only when no copy remains below.
+A chunk may sit in several tiers at once (a copy made for a reader, a promotion, write-through); leaving a tier
+moves it down only when no copy remains below. Copies keep the chunk's checksum: it was verified when the bytes
+entered the node, and every read from disk verifies it again.
+
+Write policies: `write_back` (default) writes a chunk to disk only when the CPU tier evicts it; `write_through`
+also writes every chunk that lands in the CPU tier, so a restarted node finds everything on disk.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvmesh.tiers import TIER_CPU, TIER_GPU
+from kvmesh.tiers import TIER_CPU, TIER_DISK, TIER_GPU
 from kvmesh.tiers.cpu import CpuTier
 from kvmesh.tiers.slots import SlotPool, StoreTicket
 
 if TYPE_CHECKING:
+    from kvmesh.tiers.disk import DiskTier
     from kvmesh.tiers.gpu import GpuTier
+
+WRITE_POLICIES = ("write_back", "write_through")
 
 
 def _bytes(view):
@@ -34,26 +43,64 @@ def _bytes(view):
     return view if isinstance(view, torch.Tensor) else torch.frombuffer(view, dtype=torch.uint8)
 
 
+@dataclass(slots=True)
+class WriteJob:
+    """One chunk bound for the disk tier; `data` (a page-aligned pool buffer) holds its bytes."""
+
+    ticket: StoreTicket  # the disk slot, reserved (writing)
+    data: object
+    nbytes: int
+    group: bytes
+    checksum: int
+    buffer: object = None  # the pool buffer to return
+
+
+@dataclass(slots=True)
+class DiskRead:
+    key: bytes
+    disk_slot: int
+    ticket: StoreTicket  # the CPU slot it is read into
+    nbytes: int
+    checksum: int
+
+
+@dataclass
 class Cascade:
-    def __init__(self, cpu: CpuTier, gpu: GpuTier | None = None) -> None:
-        self.cpu, self.gpu = cpu, gpu
-        # (group, key) -> the chunk's best tier now, or None once no tier holds it; drained by the node
-        self.changes: dict[tuple[bytes, bytes], int | None] = {}
-        self.counts = {"demotions": 0, "promotions": 0, "drops": 0, "host_copies": 0}
+    cpu: CpuTier
+    gpu: GpuTier | None = None
+    disk: DiskTier | None = None
+    write_policy: str = "write_back"
+    writeback_buffers: int = 16  # chunks that may wait in memory for the disk; beyond that, evictions drop
+    # (group, key) -> the chunk's best tier now, or None once no tier holds it; drained by the node
+    changes: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=lambda: {"demotions": 0, "promotions": 0, "drops": 0, "host_copies": 0,
+                                                  "disk_writes": 0, "disk_reads": 0, "disk_write_errors": 0,
+                                                  "disk_read_errors": 0, "disk_checksum_failures": 0,
+                                                  "write_buffers_full": 0, "writeback_hits": 0})
+    _writes: list = field(default_factory=list)
+    _pool: list = field(default_factory=list)  # free write-back buffers
+    _pool_made: int = 0
+    _corrupt: list = field(default_factory=list)  # disk chunks that failed their checksum in run_reads
+    _pending: dict = field(default_factory=dict)  # key -> WriteJob of a write-back still in memory
+
+    def __post_init__(self) -> None:
+        assert self.write_policy in WRITE_POLICIES, self.write_policy
 
     @property
     def top(self) -> SlotPool:
         return self.gpu if self.gpu is not None else self.cpu
 
+    def _tiers(self):
+        return [t for t in (self.gpu, self.cpu, self.disk) if t is not None]
+
     def best_tier(self, key: bytes) -> int | None:
-        if self.gpu is not None and self.gpu.slot_of(key) is not None:
-            return TIER_GPU
-        if self.cpu.slot_of(key) is not None:
-            return TIER_CPU
+        for t in self._tiers():
+            if t.slot_of(key) is not None:
+                return t.tier_id
         return None
 
     def holds(self, key: bytes) -> bool:
-        return (key in self.cpu._by_key) or (self.gpu is not None and key in self.gpu._by_key)
+        return any(key in t._by_key for t in self._tiers())
 
     # -- placing ------------------------------------------------------------------------------------------------
     def prepare(self, key: bytes, group: bytes, nbytes: int) -> StoreTicket | None:
@@ -66,44 +113,104 @@ class Cascade:
         tier.complete_store(ticket, chunk_checksum)
         rec = tier.record(ticket.slot)
         self.changes[(rec.group, rec.key)] = tier.tier_id
+        if tier is self.cpu:
+            self._write_through(ticket.slot)
 
     def abort(self, ticket: StoreTicket) -> None:
         self.top.abort_store(ticket)
 
+    def _write_through(self, cpu_slot: int) -> None:
+        if self.disk is None or self.write_policy != "write_through":
+            return
+        if self.disk.slot_of(self.cpu.record(cpu_slot).key) is None:
+            self._queue_write(cpu_slot)  # if the buffers are all in use, write-back on eviction still applies
+
     def _evicting(self, tier: SlotPool):
         def on_evict(slot: int) -> None:
             rec = tier.record(slot)
-            if tier is self.gpu and self.cpu.slot_of(rec.key) is None:
+            key = rec.key
+            if tier is self.gpu and self.cpu.slot_of(key) is None:
                 self._copy(self.gpu, slot, self.cpu)  # demote instead of dropping
                 self.counts["demotions"] += 1
-            below = None
-            if tier is self.gpu:
-                below = TIER_CPU if self.cpu.slot_of(rec.key) is not None else None
-            elif self.gpu is not None and self.gpu.slot_of(rec.key) is not None:
-                below = TIER_GPU  # the CPU copy goes, the GPU one stays
+            elif (tier is self.cpu and self.disk is not None and not self._above_or_on_disk(key)
+                  and key not in self._pending):
+                if self._queue_write(slot):
+                    self.counts["demotions"] += 1
+            below = self._best_except(key, tier)
             if below is None:
                 self.counts["drops"] += 1
-            self.changes[(rec.group, rec.key)] = below
+            self.changes[(rec.group, key)] = below
         return on_evict
 
+    def _above_or_on_disk(self, key: bytes) -> bool:
+        return (self.gpu is not None and key in self.gpu._by_key) or key in self.disk._by_key
+
+    def _best_except(self, key: bytes, leaving: SlotPool) -> int | None:
+        for t in self._tiers():
+            if t is not leaving and key in t._by_key:
+                return t.tier_id
+        return None
+
+    def _queue_write(self, cpu_slot: int) -> bool:
+        """Copy a CPU chunk aside into a write buffer and queue it for the disk; the slab slot stays free to be
+        evicted and reused at once (write-back), and a store is never refused for a write in flight."""
+        from kvmesh.tiers.disk import aligned_buffer
+
+        rec = self.cpu.record(cpu_slot)
+        if not self._pool and self._pool_made >= self.writeback_buffers:
+            self.counts["write_buffers_full"] += 1
+            return False
+        t = self.disk.prepare_store(rec.key, rec.group, rec.nbytes, on_evict=self._evicting(self.disk))
+        if t is None:
+            return False
+        if self._pool:
+            buf = self._pool.pop()
+        else:
+            buf = aligned_buffer(self.cpu.slot_bytes)
+            self._pool_made += 1
+        memoryview(buf)[: rec.nbytes] = self.cpu.chunk_view(cpu_slot)
+        job = WriteJob(t, buf, rec.nbytes, rec.group, rec.checksum, buffer=buf)
+        self._writes.append(job)
+        self._pending[rec.key] = job  # readable from the buffer until it is on disk
+        return True
+
+    def take_writes(self) -> list[WriteJob]:
+        out, self._writes = self._writes, []
+        return out
+
+    def finish_write(self, job: WriteJob, ok: bool) -> None:
+        key = job.ticket.key
+        if self._pending.get(key) is job:
+            del self._pending[key]
+        if ok:
+            self.disk.complete_store(job.ticket, job.checksum)
+            self.counts["disk_writes"] += 1
+        else:
+            self.disk.abort_store(job.ticket)
+            self.counts["disk_write_errors"] += 1
+        if job.buffer is not None:
+            self._pool.append(job.buffer)
+        self.changes[(job.group, key)] = self.best_tier(key)
+
     def _copy(self, src: SlotPool, slot: int, dst: SlotPool, protect=frozenset()) -> int | None:
-        """Copy the chunk in src's slot into a new slot of dst; returns that slot (None if dst had no room)."""
+        """Copy the chunk in src's slot into a new slot of dst (memory tiers); None if dst had no room."""
         rec = src.record(slot)
         t = dst.prepare_store(rec.key, rec.group, rec.nbytes, on_evict=self._evicting(dst), protect=protect)
         if t is None:
             return None
         _bytes(dst.buffer(t.slot))[: rec.nbytes].copy_(_bytes(src.buffer(slot))[: rec.nbytes])
         dst.complete_store(t, rec.checksum)
+        if dst is self.cpu:
+            self._write_through(t.slot)
         return t.slot
 
     # -- reading ------------------------------------------------------------------------------------------------
-    def pin_host(self, keys: list[bytes]) -> list[int]:
-        n = 0
+    def prepare_host(self, keys: list[bytes]) -> tuple[int, list[DiskRead]]:
+        n, reads = 0, []
         for key in keys:
-            if self.cpu.slot_of(key) is None:
-                gslot = self.gpu.slot_of(key) if self.gpu is not None else None
-                if gslot is None:
-                    break
+            if self.cpu.slot_of(key) is not None:
+                pass
+            elif self.gpu is not None and (gslot := self.gpu.slot_of(key)) is not None:
                 self.gpu._slots[gslot].pins += 1  # keep it while copying
                 try:
                     copied = self._copy(self.gpu, gslot, self.cpu)
@@ -112,12 +219,79 @@ class Cascade:
                 if copied is None:
                     break
                 self.counts["host_copies"] += 1
+            elif key in self._pending:  # on its way to disk: serve it from the write-back buffer
+                job = self._pending[key]
+                t = self.cpu.prepare_store(key, job.group, job.nbytes, on_evict=self._evicting(self.cpu),
+                                           protect=frozenset(keys))
+                if t is None:
+                    break
+                memoryview(self.cpu.buffer(t.slot))[: job.nbytes] = memoryview(job.data)[: job.nbytes]
+                self.cpu.complete_store(t, job.checksum)
+                self.changes[(job.group, key)] = TIER_CPU
+                self.counts["writeback_hits"] += 1
+            elif self.disk is not None and (dslot := self.disk.slot_of(key)) is not None:
+                rec = self.disk.record(dslot)
+                t = self.cpu.prepare_store(key, rec.group, rec.nbytes, on_evict=self._evicting(self.cpu),
+                                           protect=frozenset(keys))
+                if t is None:
+                    break
+                rec.pins += 1
+                reads.append(DiskRead(key, dslot, t, rec.nbytes, rec.checksum))
+            else:
+                break
             n += 1
-        slots = self.cpu.pin(keys[:n])
-        if self.gpu is not None:
-            for key in keys[:n]:
-                self.gpu._policy.touch(key)
+        return n, reads
+
+    def finish_host(self, keys: list[bytes], n: int, reads: list[DiskRead], ok: list[bool]) -> list[int]:
+        good = n
+        for r, fine in zip(reads, ok):
+            if self.disk.record(r.disk_slot).key == r.key:
+                self.disk.unpin([r.disk_slot])
+            if fine:
+                self.cpu.complete_store(r.ticket, r.checksum)
+                self.changes[(self.cpu.record(r.ticket.slot).group, r.key)] = self.best_tier(r.key)
+                self.counts["disk_reads"] += 1
+            else:
+                self.cpu.abort_store(r.ticket)
+                good = min(good, keys.index(r.key))
+        slots = self.cpu.pin(keys[:good])
+        for t in (self.gpu, self.disk):
+            if t is not None:
+                for key in keys[: len(slots)]:
+                    t._policy.touch(key)
         return slots
+
+    def run_reads(self, reads: list[DiskRead]) -> list[bool]:
+        """Do the disk reads of `prepare_host` (blocking I/O: call it without the node's lock). A chunk whose
+        bytes fail their checksum is dropped from the disk tier for good (its commit record is erased)."""
+        from kvmesh.tiers import checksum
+
+        ok = []
+        for r in reads:
+            try:
+                view = self.disk.read_chunk(r.disk_slot, r.nbytes, into=self.cpu.buffer(r.ticket.slot))
+                good = checksum(view) == r.checksum
+                if not good:
+                    self.counts["disk_checksum_failures"] += 1
+                    self.disk.invalidate(r.disk_slot)
+                    self._corrupt.append(r.key)
+            except OSError:
+                self.counts["disk_read_errors"] += 1
+                good = False
+            ok.append(good)
+        return ok
+
+    def pin_host(self, keys: list[bytes]) -> list[int]:
+        """Both phases at once (reads done inline): for callers that may block, such as tests."""
+        n, reads = self.prepare_host(keys)
+        ok = self.run_reads(reads)
+        self.discard_corrupt()
+        return self.finish_host(keys, n, reads, ok)
+
+    def discard_corrupt(self) -> None:
+        for key in self._corrupt:
+            self.discard(key)
+        self._corrupt = []
 
     def promote(self, keys: list[bytes]) -> int:
         if self.gpu is None:
@@ -138,9 +312,7 @@ class Cascade:
 
     def discard(self, key: bytes) -> None:
         group = None
-        for tier in (self.gpu, self.cpu):
-            if tier is None:
-                continue
+        for tier in self._tiers():
             i = tier._by_key.get(key)
             if i is not None:
                 group = tier.record(i).group
@@ -150,18 +322,18 @@ class Cascade:
 
     def ready_chunks(self) -> list[tuple[bytes, bytes, int]]:
         seen: dict[bytes, tuple[bytes, bytes, int]] = {}
-        for tier in (self.cpu, self.gpu):
-            if tier is None:
-                continue
+        for tier in reversed(self._tiers()):  # best tier last, so it wins
             for group, key in tier.ready_chunks():
-                seen[key] = (group, key, tier.tier_id)  # the GPU pass comes last: best tier wins
+                seen[key] = (group, key, tier.tier_id)
         return list(seen.values())
 
-    def drain(self) -> dict[tuple[bytes, bytes], int | None]:
+    def drain(self) -> dict:
         out, self.changes = self.changes, {}
         return out
 
     def check_integrity(self, verify_checksums: bool = False) -> None:
-        self.cpu.check_integrity(verify_checksums)
-        if self.gpu is not None:
-            self.gpu.check_integrity(verify_checksums)
+        for tier in self._tiers():
+            tier.check_integrity(verify_checksums and tier is not self.disk)
+        for job in self._writes:
+            assert self.disk is not None and not self.disk.record(job.ticket.slot).ready
+        _ = (TIER_CPU, TIER_DISK)

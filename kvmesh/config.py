@@ -22,6 +22,11 @@ class KVMeshConfig:
     gpu_bytes: int = 0  # GPU tier per node, above the CPU tier; 0 = none (the KVNode must see a GPU to use it)
     gpu_device: str = "cuda"
     promote_on_hit: bool = True  # a hit on a CPU-only chunk copies it up into the GPU tier
+    disk_dir: str = ""  # local directory of the disk tier (a subdirectory per node); "" = no disk tier
+    disk_bytes: int = 0  # disk tier budget per node
+    write_policy: str = "write_back"  # "write_back": to disk on CPU eviction; "write_through": every chunk
+    disk_direct_io: bool = True  # O_DIRECT where the file system allows it
+    io_threads: int = 2  # disk I/O threads per node
 
     # liveness
     lease_s: float = 5.0  # a node's directory entries die this long after its last heartbeat
@@ -45,6 +50,17 @@ class KVMeshConfig:
         if 0 < self.gpu_bytes < self.slot_bytes:
             raise ValueError(f"KVMeshConfig.gpu_bytes ({self.gpu_bytes}) must hold at least one slot "
                              f"of slot_bytes ({self.slot_bytes})")
+        if isinstance(self.disk_bytes, bool) or not isinstance(self.disk_bytes, int) or self.disk_bytes < 0:
+            raise ValueError(f"KVMeshConfig.disk_bytes must be a non-negative integer, got {self.disk_bytes!r}")
+        if self.disk_bytes and not self.disk_dir:
+            raise ValueError("KVMeshConfig.disk_bytes needs a disk_dir")
+        if 0 < self.disk_bytes < self.slot_bytes:
+            raise ValueError(f"KVMeshConfig.disk_bytes ({self.disk_bytes}) must hold at least one slot")
+        if self.write_policy not in ("write_back", "write_through"):
+            raise ValueError(f"KVMeshConfig.write_policy must be 'write_back' or 'write_through', "
+                             f"got {self.write_policy!r}")
+        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1:
+            raise ValueError(f"KVMeshConfig.io_threads must be a positive integer, got {self.io_threads!r}")
         if self.cpu_bytes < self.slot_bytes:
             raise ValueError(f"KVMeshConfig.cpu_bytes ({self.cpu_bytes}) must hold at least one slot "
                              f"of slot_bytes ({self.slot_bytes})")

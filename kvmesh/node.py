@@ -18,9 +18,11 @@ releases pins whose reader vanished.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
+import queue
 import re
 import secrets
 import threading
@@ -86,7 +88,19 @@ class KVNode:
             from kvmesh.tiers.gpu import GpuTier  # torch is imported only by nodes with a GPU tier
 
             gpu = GpuTier(cfg.gpu_bytes // cfg.slot_bytes, cfg.slot_bytes, cfg.gpu_device)
-        self.cascade = Cascade(self.tier, gpu)
+        disk = None
+        if cfg.disk_bytes:
+            from kvmesh.tiers.disk import DiskTier
+
+            disk = DiskTier(os.path.join(cfg.disk_dir, node_tag), cfg.disk_bytes // cfg.slot_bytes, cfg.slot_bytes,
+                            direct_io=cfg.disk_direct_io)
+        self.cascade = Cascade(self.tier, gpu, disk, cfg.write_policy)
+        self._io = queue.SimpleQueue()  # disk writes and the start-up verification, run by the I/O threads
+        recovered = disk.recover() if disk is not None else []
+        if recovered:  # readable at once (every disk read is verified); registered once verified below
+            disk.adopt([(r.slot, r.key, r.group, r.nbytes, r.checksum) for r in recovered])
+            for r in recovered:
+                self._io.put(("verify", r))
         self._promote: list[bytes] = []  # keys hit on the CPU tier, promoted by the maintenance thread
         self.data_server = None
         try:
@@ -104,6 +118,12 @@ class KVNode:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._maintain, name="kvmesh-node-heartbeat", daemon=True)
         self._thread.start()
+        self._io_threads = []
+        if disk is not None:
+            for i in range(cfg.io_threads):
+                t = threading.Thread(target=self._io_loop, name=f"kvmesh-node-io-{i}", daemon=True)
+                t.start()
+                self._io_threads.append(t)
         log.info("KVNode %s incarnation %d: %d slots of %d bytes at %s", node_id[:8], self.lease.incarnation,
                  cfg.num_slots, cfg.slot_bytes, path)
 
@@ -118,8 +138,8 @@ class KVNode:
 
     def pin(self, request: bytes) -> bytes:
         keys = unpack_keys(request, "PinRequest")
+        slots = self._pin_host(keys)
         with self._lock:
-            slots = self._pin_host(keys)
             pin_id = next(self._pin_ids)
             if slots:
                 self._pins[pin_id] = (slots, time.monotonic() + self.config.pin_ttl_s)
@@ -129,10 +149,18 @@ class KVNode:
         return pack_pin_reply(pin_id, rows, self.info.slab_path)
 
     def _pin_host(self, keys: list[bytes]) -> list[int]:
-        """Caller holds the lock. Pins the leading run in the CPU slab (copying GPU-only chunks into it)."""
-        slots = self.cascade.pin_host(keys)
-        if self.cascade.gpu is not None and self.config.promote_on_hit:
-            self._promote.extend(keys[:len(slots)])
+        """Pin the leading run of `keys` in the CPU slab: GPU-only chunks are copied into it, disk-only ones
+        read into it (without the lock held). Call without the lock."""
+        with self._lock:
+            n, reads = self.cascade.prepare_host(keys)
+        ok = self.cascade.run_reads(reads) if reads else []
+        with self._lock:
+            self.cascade.discard_corrupt()
+            slots = self.cascade.finish_host(keys, n, reads, ok)
+            if self.cascade.gpu is not None and self.config.promote_on_hit:
+                self._promote.extend(keys[:len(slots)])
+        if reads:
+            self._sync_directory()
         return slots
 
     def unpin(self, pin_id: int) -> None:
@@ -162,8 +190,8 @@ class KVNode:
     # -- peers ---------------------------------------------------------------------------------------------------
     def pull(self, request: bytes) -> tuple[bytes, np.ndarray]:
         keys = unpack_keys(request, "PullRequest")
+        slots = self._pin_host(keys)
         with self._lock:
-            slots = self._pin_host(keys)
             sizes = [self.tier.record(s).nbytes for s in slots]
         out = np.empty(sum(sizes), dtype=np.uint8)
         rows, bad, off = [], [], 0
@@ -189,8 +217,8 @@ class KVNode:
 
     def _pin_for_send(self, keys: list[bytes]) -> tuple[list[int], list[tuple[int, int]], list[memoryview]]:
         """For the DataServer: pin the leading run of `keys`; the client verifies the checksums it receives."""
+        slots = self._pin_host(keys)
         with self._lock:
-            slots = self._pin_host(keys)
             rows = [(self.tier.record(s).nbytes, self.tier.record(s).checksum) for s in slots]
             self.stats_counts["pulls"] += 1
             self.stats_counts["pulled_chunks"] += len(slots)
@@ -258,6 +286,8 @@ class KVNode:
         """Tell the directory what the cascade changed: each chunk's best tier now, or that it is gone."""
         with self._lock:
             changes = self.cascade.drain()
+            for job in self.cascade.take_writes():
+                self._io.put(("write", job))
         if not changes or self.fenced:
             return
         removed: dict[bytes, list[bytes]] = defaultdict(list)
@@ -300,6 +330,43 @@ class KVNode:
                 with self._lock:
                     self.stats_counts["directory_errors"] += 1
                 log.debug("heartbeat failed: %s", e)
+
+    def _io_loop(self) -> None:
+        disk = self.cascade.disk
+        while not self._stop.is_set():
+            try:
+                kind, item = self._io.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if kind == "write":
+                ok = True
+                try:
+                    disk.write_chunk(item.ticket.slot, item.data, item.nbytes, item.ticket.key, item.group,
+                                     item.checksum)
+                except OSError as e:
+                    ok = False
+                    with self._lock:
+                        self.stats_counts[f"disk_write_{errno.errorcode.get(e.errno, 'error')}"] += 1
+                    log.warning("KVNode %s: disk write failed (%s); the chunk stays where it was or is dropped",
+                                self.node_id[:8], e)
+                with self._lock:
+                    self.cascade.finish_write(item, ok)
+            elif kind == "verify":  # a chunk found on disk at start-up: register it once its bytes check out
+                try:
+                    good = checksum(disk.read_chunk(item.slot, item.nbytes)) == item.checksum
+                except OSError:
+                    good = False
+                with self._lock:
+                    if disk.record(item.slot).key != item.key:
+                        continue  # already gone (evicted or read and found corrupt)
+                    if good:
+                        self.cascade.changes[(item.group, item.key)] = self.cascade.best_tier(item.key)
+                        self.stats_counts["disk_recovered"] += 1
+                    else:
+                        disk.invalidate(item.slot)
+                        self.cascade.discard(item.key)
+                        self.stats_counts["disk_recovery_corrupt"] += 1
+            self._sync_directory()
 
     def _run_promotions(self) -> None:
         with self._lock:
@@ -347,6 +414,11 @@ class KVNode:
             d.update(node_id=self.node_id, pid=os.getpid(), incarnation=self.lease.incarnation, chunks=len(self.tier),
                      used_bytes=self.tier.used_bytes, capacity_bytes=self.tier.num_slots * self.tier.slot_bytes,
                      pinned=sum(len(s) for s, _ in self._pins.values()), fenced=self.fenced)
+            disk = self.cascade.disk
+            if disk is not None:
+                d.update(disk_chunks=len(disk), disk_used_bytes=disk.used_bytes,
+                         disk_capacity_bytes=disk.num_slots * disk.slot_bytes, disk_direct_io=disk.direct_io,
+                         disk_pending_io=self._io.qsize())
             gpu = self.cascade.gpu
             if gpu is not None:
                 d.update(gpu_chunks=len(gpu), gpu_used_bytes=gpu.used_bytes,
@@ -372,7 +444,11 @@ class KVNode:
             self.directory.leave(self.lease)
         except redis.RedisError:
             pass  # the lease lapses on its own
+        for t in self._io_threads:
+            t.join(timeout=5)
         self.directory.close()
         self.tier.close()
         if self.cascade.gpu is not None:
             self.cascade.gpu.close()
+        if self.cascade.disk is not None:
+            self.cascade.disk.close()

@@ -112,6 +112,24 @@ class SlotPool:
         self._by_key[key] = slot
         return StoreTicket(slot, key, evicted)
 
+    def adopt(self, found: list[tuple[int, bytes, bytes, int, int]]) -> int:
+        """Take over chunks found in place (a disk tier after a restart) as readable: (slot, key, group, nbytes,
+        checksum), most recent first. Returns how many were taken (a slot or key already in use is skipped)."""
+        free = set(self._free)
+        taken = 0
+        for slot, key, group, nbytes, chunk_checksum in reversed(found):  # the most recent ends most recent
+            if key in self._by_key or slot not in free:
+                continue
+            free.discard(slot)
+            s = self._slots[slot]
+            s.key, s.group, s.nbytes, s.checksum, s.pins, s.ready, s.doomed = (key, group, nbytes, chunk_checksum,
+                                                                               0, True, False)
+            self._by_key[key] = slot
+            self._policy.insert(key)
+            taken += 1
+        self._free = [i for i in self._free if i in free]
+        return taken
+
     def complete_store(self, ticket: StoreTicket, chunk_checksum: int) -> None:
         s = self._slots[ticket.slot]
         assert s.key == ticket.key and not s.ready

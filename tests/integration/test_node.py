@@ -160,3 +160,97 @@ def test_gpu_tier_first_then_demotion_and_promotion_with_the_directory_tracking(
     wait_until(lambda: tiers(gpu_node, [1, 2, 3, 4]) == [TIER_GPU, TIER_GPU, TIER_CPU, TIER_CPU], 5)
     assert gpu_node.stats()["promotions"] >= 2
     gpu_node.check_integrity()
+
+
+def disk_node(redis_server, tmp_path, name="node-d" * 4, **kw):
+    cfg = KVMeshConfig(redis_url=redis_server.url, key_prefix="tn", cpu_bytes=kw.pop("cpu_slots", 2) * SLOT,
+                       slot_bytes=SLOT,
+                       disk_dir=str(tmp_path / "disk"), disk_bytes=kw.pop("disk_slots", 6) * SLOT,
+                       lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path), **kw)
+    return KVNode(cfg, name, "kvnode-d")
+
+
+def settled(node) -> bool:
+    s = node.stats()
+    return s.get("disk_pending_io", 0) == 0
+
+
+def test_cpu_evictions_land_on_disk_and_are_served_bit_exact(redis_server, tmp_path):
+    from kvmesh.tiers import TIER_CPU, TIER_DISK
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    node = disk_node(redis_server, tmp_path)
+    try:
+        # the CPU holds 2; a prompt's tail is evicted first (its head stays hot), so 3 and 4 go to disk
+        node.store(*chunks(1, 2, 3, 4))
+        wait_until(lambda: tiers(node, [1, 2, 3, 4]) == [TIER_CPU, TIER_CPU, TIER_DISK, TIER_DISK], 5)
+        header, data = node.pull(pack_keys([k(3), k(4)]))  # read back up through the slab (1 and 2 go down)
+        assert [int(data[i * SLOT]) for i in range(2)] == [3, 4] and data.size == 2 * SLOT
+        wait_until(lambda: tiers(node, [1, 2, 3, 4]) == [TIER_DISK, TIER_DISK, TIER_CPU, TIER_CPU], 5)
+        header, data = node.pull(pack_keys([k(1), k(2)]))
+        assert [int(data[i * SLOT]) for i in range(2)] == [1, 2]
+        wait_until(lambda: settled(node), 5)
+        st = node.stats()  # (a chunk read before its write-back finished comes from the write-back buffer)
+        assert st["disk_reads"] + st["writeback_hits"] == 4 and st["disk_writes"] >= 2
+        node.check_integrity()
+    finally:
+        node.shutdown()
+
+
+def test_a_restarted_node_recovers_its_disk_and_drops_what_is_corrupt(redis_server, tmp_path):
+    from kvmesh.tiers import TIER_DISK
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    node = disk_node(redis_server, tmp_path, write_policy="write_through")
+    node.store(*chunks(1, 2, 3))
+    wait_until(lambda: node.stats().get("disk_writes", 0) == 3, 5)
+    old_inc = node.lease.incarnation
+    disk_file = node.cascade.disk.path
+    slot2 = node.cascade.disk.slot_of(k(2))
+    # the process dies without a word: no shutdown, no unregistering (its lease will lapse)
+    node._stop.set()
+    node.directory.close()
+    # a bit flip on disk while it was down
+    from kvmesh.tiers.disk import HEADER
+
+    with open(disk_file, "r+b") as f:
+        f.seek(slot2 * (HEADER + node.cascade.disk.stride) + HEADER + 7)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    again = disk_node(redis_server, tmp_path, write_policy="write_through")
+    try:
+        assert again.lease.incarnation != old_inc
+        wait_until(lambda: again.stats().get("disk_recovered", 0) == 2, 5)
+        assert again.stats()["disk_recovery_corrupt"] == 1
+        rows = lookup(again, [1])
+        assert rows and rows[0][0].incarnation == again.lease.incarnation and rows[0][0].tier == TIER_DISK
+        header, data = again.pull(pack_keys([k(1), k(2), k(3)]))
+        assert data.size == SLOT and (data == 1).all()  # 2 is gone, so the run stops there
+        header, data = again.pull(pack_keys([k(3)]))
+        assert (data == 3).all()
+    finally:
+        again.shutdown()
+
+
+def test_a_full_or_failing_disk_refuses_counts_and_keeps_serving(redis_server, tmp_path):
+    import errno as _errno
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    node = disk_node(redis_server, tmp_path, disk_slots=3)
+    try:
+        node.store(*chunks(*range(1, 9)))  # 8 chunks: 2 in the CPU tier, a 3-slot disk budget for the rest
+        wait_until(lambda: settled(node) and len(node.cascade.disk) == 3, 5)
+        assert node.stats()["drops"] >= 3  # the budget is full: the disk's LRU leaves
+        node.cascade.disk.fail_writes_with = _errno.ENOSPC
+        node.store(*chunks(11, 12, 13))
+        wait_until(lambda: node.stats().get("disk_write_ENOSPC", 0) >= 1, 5)
+        header, data = node.pull(pack_keys([k(11), k(12)]))  # the CPU tier still serves
+        assert data.size == 2 * SLOT
+        node.cascade.disk.fail_writes_with = _errno.EIO
+        node.store(*chunks(21, 22))
+        wait_until(lambda: node.stats().get("disk_write_EIO", 0) >= 1, 5)
+        assert node.stats()["disk_write_errors"] >= 2
+        node.check_integrity()
+    finally:
+        node.shutdown()

@@ -77,3 +77,69 @@ def test_discard_removes_a_chunk_from_every_tier(cascade):
     cascade.drain()
     cascade.discard(k(1))
     assert cascade.best_tier(k(1)) is None and cascade.drain() == {(G, k(1)): None}
+
+
+@pytest.fixture
+def three_tiers(tmp_path):
+    from kvmesh.tiers.disk import DiskTier
+
+    cpu = CpuTier(str(tmp_path / "slab3"), 2, SLOT)
+    disk = DiskTier(str(tmp_path / "disk"), 3, SLOT)
+    c = Cascade(cpu, None, disk)
+    yield c
+    cpu.close()
+    disk.close()
+
+
+def put_cpu(c: Cascade, i: int) -> None:
+    t = c.prepare(k(i), G, SLOT)
+    data = bytes([i]) * SLOT
+    c.top.buffer(t.slot)[:SLOT] = data
+    c.complete(t, checksum(data))
+
+
+def run_writes(c: Cascade) -> None:
+    for job in c.take_writes():
+        c.disk.write_chunk(job.ticket.slot, job.data, job.nbytes, job.ticket.key, job.group, job.checksum)
+        c.finish_write(job, True)
+
+
+def test_cpu_evictions_go_to_disk_and_come_back_on_read(three_tiers):
+    from kvmesh.tiers import TIER_DISK
+
+    c = three_tiers
+    for i in (1, 2, 3):  # the CPU holds 2: 1 is written back to disk
+        put_cpu(c, i)
+    run_writes(c)
+    assert c.best_tier(k(1)) == TIER_DISK and c.counts["disk_writes"] == 1
+    assert c.drain()[(G, k(1))] == TIER_DISK
+    slots = c.pin_host([k(1), k(3)])  # 1 is read back into the slab (evicting 2, which goes to disk)
+    assert len(slots) == 2 and bytes(c.cpu.chunk_view(slots[0])) == bytes([1]) * SLOT
+    c.cpu.unpin(slots)
+    run_writes(c)
+    assert c.best_tier(k(1)) == TIER_CPU and c.best_tier(k(2)) == TIER_DISK
+    c.check_integrity(verify_checksums=True)
+
+
+def test_write_through_writes_every_chunk(three_tiers):
+    from kvmesh.tiers import TIER_DISK
+
+    c = three_tiers
+    c.write_policy = "write_through"
+    put_cpu(c, 1)
+    put_cpu(c, 2)
+    run_writes(c)
+    assert c.counts["disk_writes"] == 2
+    put_cpu(c, 3)  # 1 leaves the CPU: it is on disk already, nothing to write
+    assert c.take_writes()[0].ticket.key == k(3) and c.best_tier(k(1)) == TIER_DISK
+
+
+def test_a_failed_disk_write_drops_the_chunk_and_says_so(three_tiers):
+    c = three_tiers
+    for i in (1, 2, 3):
+        put_cpu(c, i)
+    c.drain()
+    (job,) = c.take_writes()
+    c.finish_write(job, False)
+    assert c.best_tier(k(1)) is None and c.drain() == {(G, k(1)): None}
+    assert c.counts["disk_write_errors"] == 1

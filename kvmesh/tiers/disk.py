@@ -1,0 +1,189 @@
+"""Disk tier: the slots of a `SlotPool` in one preallocated file on a local disk, each with a commit record.
+
+File layout (written down once; a new layout bumps FORMAT):
+
+    slot i at offset i * (HEADER + stride), stride = slot_bytes rounded up to 4 KiB
+    [ header, 4 KiB ][ chunk bytes, padded to 4 KiB ]
+
+    header = "KVMDISK1" | u32 format | u32 reserved | u64 nbytes | u64 checksum | u64 sequence
+             | 16 B key | 16 B group | 16 B namespace | u64 header checksum (XXH3 of the 96 bytes before it)
+
+A chunk is visible only once its header is written, and the header is written last: an overwrite first zeroes
+the old header, then writes the bytes, then the new header. A process killed at any point leaves either a valid
+header whose bytes match it, or no header; and every read checks the chunk's checksum anyway, so a torn chunk is
+never served. Big sequential writes and reads, with O_DIRECT where the file system supports it (it keeps KV out
+of the page cache, which would otherwise double-buffer the CPU tier), else plain I/O plus posix_fadvise.
+
+All I/O methods block; the KVNode calls them from its I/O threads, never from a request handler.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvmesh.tiers import TIER_DISK, checksum
+from kvmesh.tiers.slots import SlotPool
+
+FORMAT = 1
+MAGIC = b"KVMDISK1"
+HEADER = 4096
+ALIGN = 4096
+_HDR = struct.Struct("<8sIIQQQ16s16s16s")  # 96 bytes, then the header checksum
+_HDR_CRC = struct.Struct("<Q")
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    slot: int
+    key: bytes
+    group: bytes
+    nbytes: int
+    checksum: int
+    sequence: int
+
+
+class DiskTier(SlotPool):
+    tier_id = TIER_DISK
+
+    def __init__(self, directory: str, num_slots: int, slot_bytes: int, direct_io: bool = True) -> None:
+        super().__init__(num_slots, slot_bytes)
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.path = os.path.join(directory, "chunks.slab")
+        self.stride = _align(slot_bytes)
+        size = num_slots * (HEADER + self.stride)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        if os.fstat(self._fd).st_size != size:
+            os.ftruncate(self._fd, size)  # sparse: space is used as chunks land
+        self._dfd = None
+        if direct_io and hasattr(os, "O_DIRECT"):
+            try:
+                self._dfd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+            except OSError:  # tmpfs and some others refuse O_DIRECT
+                self._dfd = None
+        self._sequence = 0
+        self._zero = mmap.mmap(-1, HEADER)  # page-aligned, for O_DIRECT
+        self.fail_writes_with: int | None = None  # fault injection for tests: writes raise OSError(this errno)
+
+    @property
+    def direct_io(self) -> bool:
+        return self._dfd is not None
+
+    def _offset(self, slot: int) -> int:
+        return slot * (HEADER + self.stride)
+
+    # -- SlotPool memory hooks ----------------------------------------------------------------------------------
+    def buffer(self, slot: int):  # pragma: no cover - the disk tier is written with write_chunk, not by buffer
+        raise TypeError("the disk tier has no memory buffer; use write_chunk/read_chunk")
+
+    def checksum_of(self, slot: int) -> int:
+        rec = self._slots[slot]
+        return checksum(self.read_chunk(slot, rec.nbytes))
+
+    # -- I/O ----------------------------------------------------------------------------------------------------
+    def write_chunk(self, slot: int, data, nbytes: int, key: bytes, group: bytes, chunk_checksum: int,
+                    namespace: bytes = b"\0" * 16) -> None:
+        """Write a chunk and its commit record. `data` must be page-aligned memory of at least
+        align(nbytes) bytes for O_DIRECT (CPU slab slots and `aligned_buffer()` are). Raises OSError."""
+        if self.fail_writes_with is not None:
+            raise OSError(self.fail_writes_with, os.strerror(self.fail_writes_with))
+        off = self._offset(slot)
+        self._sequence += 1
+        hdr = bytearray(HEADER)
+        body = _HDR.pack(MAGIC, FORMAT, 0, nbytes, chunk_checksum, self._sequence, key, group, namespace)
+        hdr[: len(body)] = body
+        hdr[len(body): len(body) + 8] = _HDR_CRC.pack(xxhash.xxh3_64_intdigest(body))
+        length = _align(nbytes)
+        direct = self._dfd is not None and _is_aligned(data) and len(memoryview(data)) >= length
+        fd = self._dfd if direct else self._fd
+        self._pwrite_all(fd, memoryview(self._zero) if direct else bytes(HEADER), off)  # invalidate first
+        self._pwrite_all(fd, memoryview(data)[: length if direct else nbytes], off + HEADER)
+        if direct:
+            hbuf = mmap.mmap(-1, HEADER)
+            hbuf[:] = bytes(hdr)
+            self._pwrite_all(fd, memoryview(hbuf), off)
+            hbuf.close()
+        else:
+            self._pwrite_all(fd, bytes(hdr), off)
+            os.posix_fadvise(self._fd, off, HEADER + length, os.POSIX_FADV_DONTNEED)
+
+    def read_chunk(self, slot: int, nbytes: int, into=None):
+        """The chunk's bytes (into `into`, page-aligned for O_DIRECT, when given). Raises OSError."""
+        off = self._offset(slot) + HEADER
+        length = _align(nbytes)
+        if into is None:
+            into = aligned_buffer(length)
+        view = memoryview(into)
+        direct = self._dfd is not None and _is_aligned(into) and len(view) >= length
+        fd = self._dfd if direct else self._fd
+        want = length if direct else nbytes
+        got = 0
+        while got < want:
+            k = os.preadv(fd, [view[got:want]], off + got)
+            if k <= 0:
+                raise OSError(errno.EIO, "short read from the disk tier")
+            got += k
+        return view[:nbytes]
+
+    @staticmethod
+    def _pwrite_all(fd: int, data, off: int) -> None:
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], off + done)
+
+    def recover(self) -> list[Recovered]:
+        """Read every slot's commit record; the valid ones, newest write first per key. Bytes are not checked
+        here (see `verify`)."""
+        found: dict[bytes, Recovered] = {}
+        for slot in range(self.num_slots):
+            raw = os.pread(self._fd, _HDR.size + 8, self._offset(slot))
+            if len(raw) < _HDR.size + 8 or raw[:8] != MAGIC:
+                continue
+            body = raw[: _HDR.size]
+            if _HDR_CRC.unpack(raw[_HDR.size:])[0] != xxhash.xxh3_64_intdigest(body):
+                continue
+            _m, fmt, _r, nbytes, csum, seq, key, group, _ns = _HDR.unpack(body)
+            if fmt != FORMAT or not 0 < nbytes <= self.slot_bytes:
+                continue
+            rec = Recovered(slot, key, group, nbytes, csum, seq)
+            if key not in found or found[key].sequence < seq:
+                found[key] = rec
+            self._sequence = max(self._sequence, seq)
+        return sorted(found.values(), key=lambda r: -r.sequence)
+
+    def invalidate(self, slot: int) -> None:
+        """Erase a slot's commit record (a chunk that failed its checksum)."""
+        self._pwrite_all(self._fd, bytes(HEADER), self._offset(slot))
+
+    def close(self) -> None:
+        for fd in (self._dfd, self._fd):
+            if fd is not None:
+                os.close(fd)
+        self._dfd = self._fd = None
+        if not self._zero.closed:
+            self._zero.close()
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """Page-aligned memory for O_DIRECT I/O."""
+    return mmap.mmap(-1, _align(max(nbytes, 1)))
+
+
+def _is_aligned(buf) -> bool:
+    import numpy as np
+
+    try:
+        return np.frombuffer(buf, dtype=np.uint8).ctypes.data % ALIGN == 0
+    except (TypeError, ValueError):
+        return False

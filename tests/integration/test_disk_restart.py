@@ -45,11 +45,11 @@ def w_fetch_all(n: int) -> list[tuple[int, bool]]:
 
 
 def test_kvnode_killed_mid_write_comes_back_with_only_intact_chunks(mesh, ray_cluster, tmp_path):
-    ray_cluster.add_node(num_cpus=1)
-    m = kvmesh.start(mesh.config.redis_url, key_prefix="it", cpu_bytes=4 * SPEC.chunk_bytes,
+    node = ray_cluster.add_node(num_cpus=1)
+    kvmesh.start(mesh.config.redis_url, key_prefix="it", cpu_bytes=4 * SPEC.chunk_bytes,
                      slot_bytes=SPEC.chunk_bytes, disk_dir=str(tmp_path), disk_bytes=256 * SPEC.chunk_bytes,
                      write_policy="write_through")
-    d = next(n for n in m.node_ids if n not in mesh.node_ids)
+    d = node.node_id
     actor = node_actors()[d]
     before = ray.get(actor.stats.remote())
     assert before["disk_capacity_bytes"] == 256 * SPEC.chunk_bytes

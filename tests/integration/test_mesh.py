@@ -65,10 +65,10 @@ def w_fetch_match(s, match, deadline_s):
 # -- tests ---------------------------------------------------------------------------------------------------------
 def test_start_is_idempotent_with_one_kvnode_per_node(mesh, ray_cluster):
     again = kvmesh.start(mesh.config.redis_url, key_prefix="it")
-    assert sorted(again.node_ids) == sorted(mesh.node_ids) == sorted(ray_cluster.node_ids())
-    incarnations = {n.node_id: n.incarnation for n in mesh.nodes}
-    assert {n.node_id: n.incarnation for n in again.nodes} == incarnations  # the same actors, not new ones
-    assert len(node_actors()) == 3
+    assert sorted(again.node_ids) == sorted(ray_cluster.node_ids())  # other tests may have added nodes
+    now = {n.node_id: n.incarnation for n in again.nodes}
+    assert all(now[n.node_id] == n.incarnation for n in mesh.nodes)  # the same actors, not new ones
+    assert sorted(node_actors()) == sorted(ray_cluster.node_ids())
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -193,8 +193,8 @@ def test_bad_inputs_raise_typed_errors(mesh):
 def test_removed_node_truncates_planned_fetches_and_is_dropped_after_its_lease(mesh, ray_cluster):
     node = ray_cluster.add_node(num_cpus=1)
     m2 = kvmesh.start(mesh.config.redis_url, key_prefix="it")  # idempotent: adds a KVNode on the new node only
-    d = next(n for n in m2.node_ids if n not in mesh.node_ids)
-    assert len(m2.nodes) == 4
+    d = node.node_id
+    assert d in m2.node_ids and sorted(m2.node_ids) == sorted(ray_cluster.node_ids())
     a = mesh.node_ids[0]
     s = spec("removed")
     doc = tokens(32 * 3, seed=13)

@@ -31,7 +31,7 @@ from kvmesh.cost import CostModel, LinkModel, LoadPlan, measure_memcpy_bps
 from kvmesh.directory import Directory, Holder, NodeTable
 from kvmesh.hashing import as_tokens, chunk_hashes, salt_bytes
 from kvmesh.spec import KVSpec
-from kvmesh.tiers import TIER_NAMES, checksum
+from kvmesh.tiers import TIER_DISK, TIER_NAMES, checksum
 from kvmesh.tiers.cpu import SlabReader
 from kvmesh.transport import ChecksumError, DataClient
 from kvmesh.wire import StoreItem, WireError, pack_keys, pack_store, unpack_chunk_header, unpack_pin_reply
@@ -46,7 +46,7 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 @dataclass(frozen=True, slots=True)
 class ChunkMatch:
     hash: bytes
-    holders: tuple[Holder, ...]  # live holders, the preferred one (this node, then best tier) first
+    holders: tuple[Holder, ...]  # live holders, the preferred one (this node first, then by tier) first
 
     @property
     def node_id(self) -> str:
@@ -102,7 +102,8 @@ class KVMeshClient:
         self.counts: Counter[str] = Counter()
         self.last_fetch = FetchStats(0, 0, 0.0)
         # sources: "local" = this node's slab (calibrated here), "peer" = another node (learned from pulls)
-        self.cost = CostModel({"local": LinkModel(measure_memcpy_bps() / 2, 1e-3), "peer": LinkModel(1e9, 2e-3)})
+        self.cost = CostModel({"local": LinkModel(measure_memcpy_bps() / 2, 1e-3), "peer": LinkModel(1e9, 2e-3),
+                               "local-disk": LinkModel(5e8, 5e-3), "peer-disk": LinkModel(4e8, 6e-3)})
         self.directory = Directory(config.redis_url, config.key_prefix, timeout_s=config.lookup_timeout_s)
         self._local = local_actor
         self._slab = SlabReader(*local_slab[:2]) if local_slab else None
@@ -138,9 +139,14 @@ class KVMeshClient:
         match = Match(self.spec.namespace, self.spec.chunk_tokens, chunks)
         return replace(match, plan=self.plan(match, len(as_tokens(tokens))))
 
+    def _source(self, holder: Holder) -> str:
+        """The link a chunk comes over, for the cost model: this node or a peer, and whether from its disk."""
+        where = "local" if holder.node_id == self.node_id else "peer"
+        return f"{where}-disk" if holder.tier == TIER_DISK else where
+
     def plan(self, match: "Match", prompt_tokens: int) -> LoadPlan:
         """The cost model's plan for using `match` in a prompt of `prompt_tokens` tokens."""
-        sources = ["local" if ch.node_id == self.node_id else "peer" for ch in match.chunks]
+        sources = [self._source(ch.holders[0]) for ch in match.chunks]
         plan = self.cost.plan(prompt_tokens, self.spec.chunk_tokens, self.spec.chunk_bytes, sources)
         self.counts[f"plan_{plan.reason.replace(' ', '_')}"] += 1
         return plan
@@ -377,7 +383,7 @@ class KVMeshClient:
             pos += k
             now = time.monotonic()
             if k:  # what the cost model learns links from; runs overlap, so this is an upper bound on each
-                self.cost.observe_transfer("local" if kind == "pin" else "peer", k * self.spec.chunk_bytes,
+                self.cost.observe_transfer(self._source(match.chunks[start].holders[0]), k * self.spec.chunk_bytes,
                                            now - t_prev)
             t_prev = now
             if k < len(keys):

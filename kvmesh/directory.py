@@ -286,8 +286,8 @@ class Directory:
 
     def longest_prefix(self, values: list[bytes | None], table: NodeTable,
                        prefer: str | None = None) -> list[tuple[Holder, ...]]:
-        """Holders of each leading chunk that has at least one live holder: best tier first, and on a tie the
-        node `prefer` (the caller's own) first. Runs of chunks share one entry value, so each distinct value is
+        """Holders of each leading chunk that has at least one live holder: the node `prefer` (the caller's own)
+        first, then by tier (GPU, CPU, disk). Runs of chunks share one entry value, so each distinct value is
         decoded and filtered once per call."""
         out: list[tuple[Holder, ...]] = []
         memo: dict[bytes, tuple[Holder, ...]] = {}
@@ -298,7 +298,7 @@ class Directory:
             if row is None:
                 hs = [Holder(info.node_id, inc, tier) for inc, tier in self.decode_holders(v)
                       if (info := table.live.get(inc)) is not None]
-                row = memo[v] = tuple(sorted(hs, key=lambda h: (h.tier, h.node_id != prefer)))
+                row = memo[v] = tuple(sorted(hs, key=lambda h: (h.node_id != prefer, h.tier)))
             if not row:
                 break
             out.extend([row] * len(list(run)))

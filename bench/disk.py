@@ -1,0 +1,144 @@
+"""Disk tier benchmark (not run in CI). Each figure is a ratio to a baseline measured in the same run:
+
+  D1  disk-tier store (write_chunk, commit record included) vs raw sequential `dd oflag=direct` writes of the same
+      bytes on the same file system; and fetch (read_chunk + checksum) vs `dd iflag=direct` reads.   goal >= 0.8
+  D2  fetching a cached prefix of the demo model from disk vs recomputing it on this CPU, over prefix lengths,
+      with the crossover: where loading from disk pays and where the cost model must recompute.
+
+Run: .venv/bin/python bench/disk.py [--dir /path/on/the/disk] [--mib 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from bench.common import save  # noqa: E402
+from kvmesh.tiers import checksum  # noqa: E402
+from kvmesh.tiers.disk import DiskTier, aligned_buffer  # noqa: E402
+
+MiB = 1 << 20
+
+
+def dd(args: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(["dd", *args, "status=none"], check=True)
+    return time.perf_counter() - t0
+
+
+def d1(directory: str, total: int, chunk: int, repeat: int) -> dict:
+    n = total // chunk
+    raw = os.path.join(directory, "raw.bin")
+    w = min(dd(["if=/dev/zero", f"of={raw}", f"bs={chunk}", f"count={n}", "oflag=direct", "conv=fsync"])
+            for _ in range(repeat))
+    r = min(dd([f"if={raw}", "of=/dev/null", f"bs={chunk}", "iflag=direct"]) for _ in range(repeat))
+    os.unlink(raw)
+    tier = DiskTier(os.path.join(directory, "tier"), n, chunk)
+    bufs = [aligned_buffer(chunk) for _ in range(4)]
+    for i, b in enumerate(bufs):
+        b[:] = np.random.default_rng(i).integers(0, 255, chunk, dtype=np.uint8).tobytes()
+    sums = [checksum(b) for b in bufs]
+    slots = []
+    for i in range(n):
+        t = tier.prepare_store(i.to_bytes(16, "little"), b"g" * 16, chunk)
+        tier.complete_store(t, sums[i % 4])
+        slots.append(t.slot)
+
+    def store():
+        for i, s in enumerate(slots):
+            tier.write_chunk(s, bufs[i % 4], chunk, i.to_bytes(16, "little"), b"g" * 16, sums[i % 4])
+        os.fsync(tier._fd)
+
+    into = aligned_buffer(chunk)
+
+    def fetch():
+        for i, s in enumerate(slots):
+            assert checksum(tier.read_chunk(s, chunk, into=into)) == sums[i % 4]
+    ws = min(_timed(store) for _ in range(repeat))
+    rs = min(_timed(fetch) for _ in range(repeat))
+    direct = tier.direct_io
+    tier.close()
+    return {"bytes": n * chunk, "chunk_bytes": chunk, "direct_io": direct,
+            "raw_write_gbps": n * chunk / w / 1e9, "raw_read_gbps": n * chunk / r / 1e9,
+            "store_gbps": n * chunk / ws / 1e9, "fetch_gbps": n * chunk / rs / 1e9,
+            "ratio_store": w / ws, "ratio_fetch": r / rs, "goal": ">= 0.8"}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def d2(directory: str, lengths: list[int]) -> list[dict]:
+    """Demo model (hidden 512, 8 layers, fp32): disk fetch of a prefix's chunks vs its prefill on this CPU."""
+    import torch
+
+    from kvmesh.integrations.hf import _forward, _new_cache, spec_for_model, tiny_llama
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = tiny_llama(0, hidden_size=512, num_layers=8, intermediate_size=512 * 11 // 4,
+                       max_position_embeddings=16384)
+    spec = spec_for_model(model, chunk_tokens=256)
+    n_max = max(lengths) // 256
+    tier = DiskTier(os.path.join(directory, "d2"), n_max, spec.chunk_bytes)
+    buf = aligned_buffer(spec.chunk_bytes)
+    buf[:] = np.random.default_rng(0).integers(0, 255, spec.chunk_bytes, dtype=np.uint8).tobytes()
+    csum = checksum(buf)
+    slots = []
+    for i in range(n_max):
+        t = tier.prepare_store(i.to_bytes(16, "little"), b"g" * 16, spec.chunk_bytes)
+        tier.write_chunk(t.slot, buf, spec.chunk_bytes, i.to_bytes(16, "little"), b"g" * 16, csum)
+        tier.complete_store(t, csum)
+        slots.append(t.slot)
+    os.fsync(tier._fd)
+    dests = [aligned_buffer(spec.chunk_bytes) for _ in range(n_max)]  # as the CPU tier's slots would be
+    rows = []
+    ids = torch.randint(0, 4096, (1, max(lengths)))
+    with torch.inference_mode():
+        _forward(model, ids[:, :256], _new_cache(), logits_to_keep=1)  # warm up
+        for n in lengths:
+            k = n // 256
+            t_fetch = min(_timed(lambda: [checksum(tier.read_chunk(slots[i], spec.chunk_bytes, into=dests[i]))
+                                          for i in range(k)]) for _ in range(3))
+            t_prefill = min(_timed(lambda: _forward(model, ids[:, :n], _new_cache(), logits_to_keep=1))
+                            for _ in range(2 if n <= 4096 else 1))
+            rows.append({"prefix_tokens": n, "kv_bytes": k * spec.chunk_bytes, "disk_fetch_s": t_fetch,
+                         "recompute_s": t_prefill, "disk_speedup": t_prefill / t_fetch,
+                         "disk_pays": t_fetch < t_prefill})
+            print(rows[-1], flush=True)
+    tier.close()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default=None, help="a directory on the disk to measure (default: a temp dir)")
+    p.add_argument("--mib", type=int, default=512)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    directory = tempfile.mkdtemp(prefix="kvmesh-disk-bench-", dir=args.dir)
+    try:
+        fs = subprocess.run(["df", "-T", directory], capture_output=True, text=True).stdout.splitlines()[-1]
+        out = {"directory": directory, "filesystem": fs.split()[1]}
+        out["d1"] = d1(directory, args.mib * MiB, 4 * MiB, args.repeat)
+        print("D1", out["d1"], flush=True)
+        out["d2"] = d2(directory, [256, 512, 1024, 2048, 4096, 8192])
+        pays = [r["prefix_tokens"] for r in out["d2"] if r["disk_pays"]]
+        out["d2_crossover_tokens"] = min(pays) if pays else None
+        save("disk", out)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

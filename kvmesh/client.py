@@ -31,6 +31,7 @@ from kvmesh.cost import CostModel, LinkModel, LoadPlan, measure_memcpy_bps
 from kvmesh.directory import Directory, Holder, NodeTable
 from kvmesh.hashing import as_tokens, chunk_hashes, salt_bytes
 from kvmesh.spec import KVSpec
+from kvmesh.telemetry import ClientExporter, Records
 from kvmesh.tiers import TIER_DISK, TIER_NAMES, checksum
 from kvmesh.tiers.cpu import SlabReader
 from kvmesh.transport import ChecksumError, DataClient
@@ -66,6 +67,8 @@ class Match:
     chunks: tuple[ChunkMatch, ...]
     plan: LoadPlan | None = None  # the cost model's advice for this prompt, with its reason
     start: int = 0  # index of the first chunk (non-zero only for a part selected with `select`)
+    why: str = ""  # why the match ends where it does: "" (the whole prompt's full chunks), "not_cached",
+    # "holder_dead", "spec_mismatch" (another spec of this model has the prefix), "directory_error"
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +119,16 @@ class KVMeshClient:
         self._pending_stores: list = []
         self._pending_pins: list = []  # pin replies we stopped waiting for; unpinned when they arrive
         self._table = NodeTable(None, 0, {}, (), {})
+        self._samples: list = []  # (kind, source, seconds) for the latency histograms, drained by the exporter
+        self._events: list = []  # (kind, reason, detail) failures for the live page, drained by the exporter
+        self._last_error: str | None = None
+        self._other_specs: list[KVSpec] = []
+        self._specs_at = -1e9
+        self._exporter = ClientExporter(Records(self.directory.redis, config.key_prefix), node_id or "")
+        try:
+            self.directory.register_spec(spec.model_id, spec.canonical_bytes())
+        except redis.RedisError:
+            pass
         self._table_at = time.monotonic()
         self._closed = threading.Event()
         self._refresh_nodes()
@@ -131,13 +144,53 @@ class KVMeshClient:
         return chunk_hashes(self.spec.namespace, as_tokens(tokens), self.spec.chunk_tokens, self._salt(cache_salt))
 
     def lookup(self, tokens, cache_salt: str | bytes | None = None) -> Match:
-        hashes = self.hashes(tokens, cache_salt)
+        toks = as_tokens(tokens)
+        salt = self._salt(cache_salt)
+        hashes = chunk_hashes(self.spec.namespace, toks, self.spec.chunk_tokens, salt)
         self.counts["lookups"] += 1
-        holders = self._live_holders(hashes, prefix_only=True)
+        holders, why = self._live_holders(hashes, prefix_only=True)
         chunks = tuple(ChunkMatch(h, hs) for h, hs in zip(hashes, holders))
-        self.counts["lookup_hit_chunks" if chunks else "lookup_misses"] += len(chunks) or 1
-        match = Match(self.spec.namespace, self.spec.chunk_tokens, chunks)
-        return replace(match, plan=self.plan(match, len(as_tokens(tokens))))
+        if not chunks and hashes:
+            if why == "not_cached" and self._cached_elsewhere(toks, salt):
+                why = "spec_mismatch"
+            self.counts[f"miss_{why}"] += 1
+        match = Match(self.spec.namespace, self.spec.chunk_tokens, chunks, why=why or "")
+        match = replace(match, plan=self.plan(match, len(toks)))
+        if chunks and match.plan.end == 0:
+            self.counts["miss_cost_model"] += 1
+        elif chunks:
+            self.counts["hits"] += 1
+        return match
+
+    def _cached_elsewhere(self, toks, salt: bytes) -> bool:
+        """On a miss: does another spec of the same model hold this prompt's first chunk? (One extra round trip,
+        misses only, with the list of specs cached for a while.) Turns a silent 0 % hit rate from a dtype, TP or
+        layout difference into a counted "spec_mismatch"."""
+        now = time.monotonic()
+        if now - self._specs_at > 10.0:
+            try:
+                self._other_specs = [x for x in map(_spec_or_none, self.directory.specs_of(self.spec.model_id))
+                                     if x is not None and x != self.spec]
+            except redis.RedisError:
+                self._other_specs = []
+            self._specs_at = now
+        if not self._other_specs or len(toks) < self.spec.chunk_tokens:
+            return False
+        firsts = []
+        for other in self._other_specs:
+            h = chunk_hashes(other.namespace, toks[: other.chunk_tokens], other.chunk_tokens, salt)
+            if h:
+                firsts.append(h[0])
+        try:
+            return any(self.directory.groups_exist(firsts))
+        except redis.RedisError:
+            return False
+
+    def record_request(self, reused_local: int, reused_peer: int, recomputed: int) -> None:
+        """Integrations report each request's prompt tokens by where their KV came from (for the metrics)."""
+        self.counts["reused_tokens_local"] += reused_local
+        self.counts["reused_tokens_peer"] += reused_peer
+        self.counts["recomputed_tokens"] += recomputed
 
     def _source(self, holder: Holder) -> str:
         """The link a chunk comes over, for the cost model: this node or a peer, and whether from its disk."""
@@ -151,20 +204,22 @@ class KVMeshClient:
         self.counts[f"plan_{plan.reason.replace(' ', '_')}"] += 1
         return plan
 
-    def _live_holders(self, hashes: list[bytes], prefix_only: bool) -> list[tuple[Holder, ...]]:
+    def _live_holders(self, hashes: list[bytes], prefix_only: bool) -> tuple[list[tuple[Holder, ...]], str | None]:
         if not hashes:
-            return []
+            return [], None
+        t0 = time.monotonic()
         try:
             values = self.directory.lookup_raw(hashes[0], hashes)
         except redis.RedisError as e:
             self.counts["directory_errors"] += 1
             log.debug("lookup failed: %s", e)
-            return []
+            return [], "directory_error"
+        self._samples.append(("rtt", "", time.monotonic() - t0))
         table = self._current_table()
         if prefix_only:
-            return self.directory.longest_prefix(values, table, prefer=self.node_id)
+            return self.directory.longest_prefix_why(values, table, prefer=self.node_id)
         return [r[0] if (r := self.directory.longest_prefix([v], table, prefer=self.node_id)) else ()
-                for v in values]
+                for v in values], None
 
     def _current_table(self) -> NodeTable:
         """The node table with leases judged at this moment (Redis's clock advanced by our elapsed time)."""
@@ -184,6 +239,12 @@ class KVMeshClient:
     def _refresh_loop(self) -> None:
         while not self._closed.wait(self.config.node_refresh_s):
             self._refresh_nodes()
+            self._flush_telemetry()
+
+    def _flush_telemetry(self) -> None:
+        samples, self._samples = self._samples, []
+        events, self._events = self._events, []
+        self._exporter.flush(self.counts, samples, events)
 
     # -- fetch --------------------------------------------------------------------------------------------------
     def fetch(self, match: Match, device: str | torch.device = "cpu", deadline_s: float | None = None,
@@ -211,13 +272,19 @@ class KVMeshClient:
                               pin_memory=device.type == "cuda" and torch.cuda.is_available())
         else:
             self._check_out(out, n * C)
+        self._last_error = None
         local, peer = self._fill(match, out, deadline) if n else (0, 0)
         got = local + peer
         self.last_fetch = FetchStats(local, peer, time.monotonic() - t0)
         self.counts["fetched_chunks_local"] += local
         self.counts["fetched_chunks_peer"] += peer
+        self.counts["fetched_bytes_local"] += local * self.spec.chunk_bytes
+        self.counts["fetched_bytes_peer"] += peer * self.spec.chunk_bytes
         if got < n:
             self.counts["fetch_truncated"] += 1
+            reason = self._last_error or "peer_error"
+            self.counts[f"miss_{reason}"] += 1
+            self._events.append(("fetch_truncated", reason, f"{got} of {n} chunks"))
         result = out[:, :, : got * C]
         return result if device.type == "cpu" else result.to(device, non_blocking=True)
 
@@ -345,7 +412,8 @@ class KVMeshClient:
         inflight = []  # (kind, first chunk, keys, ref or address, node id); Ray calls all start now
         for node_id, start, keys in self._plan(match):
             if node_id == self.node_id and self._slab is not None:
-                inflight.append(("pin", start, keys, self._local.pin.remote(pack_keys(keys)), node_id))
+                inflight.append(("pin", start, keys, self._local.pin.remote(pack_keys(keys, self.node_id or "")),
+                                 node_id))
                 continue
             info = nodes.get(node_id)
             if self.config.peer_transport == "tcp" and info is not None and info.data_addr:
@@ -354,7 +422,7 @@ class KVMeshClient:
             actor = self._actor(node_id)
             if actor is None:
                 break
-            inflight.append(("ray", start, keys, actor.pull.remote(pack_keys(keys)), node_id))
+            inflight.append(("ray", start, keys, actor.pull.remote(pack_keys(keys, self.node_id or "")), node_id))
         got = {"pin": 0, "tcp": 0, "ray": 0}
         pos = 0
         t_prev = time.monotonic()
@@ -365,9 +433,13 @@ class KVMeshClient:
             try:
                 if kind == "tcp":
                     k, err = self._data.pull(handle, keys, self.spec.chunk_bytes,
-                                             lambda j, s=start: self._chunk_segments(out, s + j), deadline)
+                                             lambda j, s=start: self._chunk_segments(out, s + j), deadline,
+                                             self.node_id or "")
                     if err is not None:
                         self.counts[f"fetch_error_{type(err).__name__}"] += 1
+                        self.counts[f"pull_failure_{type(err).__name__}"] += 1
+                        self._last_error = ("checksum" if isinstance(err, ChecksumError)
+                                            else "deadline" if isinstance(err, TimeoutError) else "peer_error")
                         if isinstance(err, ChecksumError) and (actor := self._actor(node_id)) is not None:
                             actor.report_corrupt.remote(pack_keys(keys[k:k + 1]))
                 else:
@@ -376,6 +448,8 @@ class KVMeshClient:
                          else self._consume_pull(reply, out, start))
             except (ray.exceptions.RayError, TimeoutError, WireError) as e:
                 self.counts[f"fetch_error_{type(e).__name__}"] += 1
+                self.counts[f"pull_failure_{type(e).__name__}"] += 1
+                self._last_error = "deadline" if isinstance(e, TimeoutError) else "peer_error"
                 log.debug("fetch of %d chunk(s) (%s) failed: %s", len(keys), kind, e)
                 if kind == "pin":
                     self._pending_pins.append(handle)
@@ -383,8 +457,9 @@ class KVMeshClient:
             pos += k
             now = time.monotonic()
             if k:  # what the cost model learns links from; runs overlap, so this is an upper bound on each
-                self.cost.observe_transfer(self._source(match.chunks[start].holders[0]), k * self.spec.chunk_bytes,
-                                           now - t_prev)
+                source = self._source(match.chunks[start].holders[0])
+                self.cost.observe_transfer(source, k * self.spec.chunk_bytes, now - t_prev)
+                self._samples.append(("transfer", source, now - t_prev))
             t_prev = now
             if k < len(keys):
                 self._pending_pins.extend(h for kd, _s, _k, h, _n in inflight[idx + 1:] if kd == "pin")
@@ -422,6 +497,7 @@ class KVMeshClient:
                 self._copy_in(out, start + j, src)
                 if checksum(src) != row.checksum:  # after the copy: catches a slot overwritten under us
                     self.counts["fetch_checksum_failures"] += 1
+                    self._last_error = "checksum"
                     self._local.report_corrupt.remote(pack_keys(keys[j:j + 1]))
                     break
                 k += 1
@@ -442,6 +518,7 @@ class KVMeshClient:
             piece = data[off:off + nbytes]
             if checksum(piece) != c:
                 self.counts["fetch_checksum_failures"] += 1
+                self._last_error = "checksum"
                 break
             self._copy_in(out, start + k, piece)
             off += nbytes
@@ -506,7 +583,7 @@ class KVMeshClient:
         if self._local is None:
             self.counts["store_no_local_node"] += 1
             return 0
-        held = self._live_holders(hashes, prefix_only=False)
+        held, _ = self._live_holders(hashes, prefix_only=False)
         todo = [i for i in range(len(hashes)) if i >= len(held) or not held[i]]
         if not todo:
             return 0
@@ -565,6 +642,7 @@ class KVMeshClient:
     def close(self) -> None:
         self._closed.set()
         self._refresher.join(timeout=2)
+        self._flush_telemetry()
         if self._slab is not None:
             self._slab.close()
         self._data.close()
@@ -577,6 +655,13 @@ class KVMeshClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _spec_or_none(data: bytes) -> KVSpec | None:
+    try:
+        return KVSpec.from_canonical_bytes(data)
+    except (ValueError, TypeError):
+        return None
 
 
 def connect(spec: KVSpec, redis_url: str | None = None, *, cache_salt: str | bytes | None = None,

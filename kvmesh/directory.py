@@ -286,13 +286,19 @@ class Directory:
 
     def longest_prefix(self, values: list[bytes | None], table: NodeTable,
                        prefer: str | None = None) -> list[tuple[Holder, ...]]:
+        return self.longest_prefix_why(values, table, prefer)[0]
+
+    def longest_prefix_why(self, values: list[bytes | None], table: NodeTable,
+                           prefer: str | None = None) -> tuple[list[tuple[Holder, ...]], str | None]:
         """Holders of each leading chunk that has at least one live holder: the node `prefer` (the caller's own)
         first, then by tier (GPU, CPU, disk). Runs of chunks share one entry value, so each distinct value is
         decoded and filtered once per call."""
         out: list[tuple[Holder, ...]] = []
         memo: dict[bytes, tuple[Holder, ...]] = {}
+        why = None  # why it stopped before the end: "not_cached" (no entry) or "holder_dead" (no live holder)
         for v, run in itertools.groupby(values):  # C-level grouping: Python work per run, not per chunk
             if v is None:
+                why = "not_cached"
                 break
             row = memo.get(v)
             if row is None:
@@ -300,9 +306,27 @@ class Directory:
                       if (info := table.live.get(inc)) is not None]
                 row = memo[v] = tuple(sorted(hs, key=lambda h: (h.node_id != prefer, h.tier)))
             if not row:
+                why = "holder_dead"
                 break
             out.extend([row] * len(list(run)))
-        return out
+        return out, why
+
+    # -- spec registry: which specs of a model exist, so a miss can say "spec mismatch" -------------------------
+    def register_spec(self, model_id: str, canonical: bytes) -> None:
+        self._redis.sadd(f"{self.prefix}:{{n}}:specs:{model_id}", canonical)
+
+    def specs_of(self, model_id: str) -> set[bytes]:
+        return set(self._redis.smembers(f"{self.prefix}:{{n}}:specs:{model_id}"))
+
+    def groups_exist(self, groups: list[bytes]) -> list[bool]:
+        pipe = self._redis.pipeline(transaction=False)
+        for g in groups:
+            pipe.exists(self.group_key(g))
+        return [bool(x) for x in pipe.execute()]
+
+    @property
+    def redis(self) -> redis.Redis:
+        return self._redis
 
     # -- maintenance --------------------------------------------------------------------------------------------
     def ping(self) -> bool:

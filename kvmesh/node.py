@@ -35,12 +35,13 @@ import redis
 
 from kvmesh.config import KVMeshConfig
 from kvmesh.directory import Directory, Lease
-from kvmesh.tiers import checksum
+from kvmesh.telemetry import RayExporter, Records, export_node_stats
+from kvmesh.tiers import TIER_NAMES, checksum
 from kvmesh.cascade import Cascade
 from kvmesh.tiers.cpu import CpuTier
 from kvmesh.transport import DataServer
 from kvmesh.wire import (NodeInfo, PinnedChunk, WireError, pack_chunk_header, pack_pin_reply, unpack_keys,
-                         unpack_store)
+                         unpack_request, unpack_store)
 
 log = logging.getLogger("kvmesh.node")
 _SLAB_RE = re.compile(r"^kvmesh-(?P<node>[0-9a-f]+)-(?P<pid>\d+)-[0-9a-f]+$")
@@ -102,6 +103,8 @@ class KVNode:
             for r in recovered:
                 self._io.put(("verify", r))
         self._promote: list[bytes] = []  # keys hit on the CPU tier, promoted by the maintenance thread
+        self._served: Counter[str] = Counter()  # bytes served, by requesting node id
+        self._group_hits: Counter[bytes] = Counter()  # chunk hits by prompt group (first-chunk hash)
         self.data_server = None
         try:
             if cfg.peer_transport == "tcp":
@@ -115,6 +118,10 @@ class KVNode:
                 self.data_server.shutdown()
             self.tier.close()
             raise
+        self._records = Records(self.directory.redis, cfg.key_prefix)
+        self._ray_metrics = RayExporter()
+        self._last_published: dict = {}
+        self._pending_events: list = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._maintain, name="kvmesh-node-heartbeat", daemon=True)
         self._thread.start()
@@ -137,9 +144,10 @@ class KVNode:
                              use_bin_type=True)
 
     def pin(self, request: bytes) -> bytes:
-        keys = unpack_keys(request, "PinRequest")
+        keys, _requester = unpack_request(request, "PinRequest")
         slots = self._pin_host(keys)
         with self._lock:
+            self._account(self.node_id, slots)
             pin_id = next(self._pin_ids)
             if slots:
                 self._pins[pin_id] = (slots, time.monotonic() + self.config.pin_ttl_s)
@@ -162,6 +170,19 @@ class KVNode:
         if reads:
             self._sync_directory()
         return slots
+
+    def _account(self, requester: str, slots: list[int]) -> None:
+        """Caller holds the lock: traffic by requesting node, and hits by prompt group (most reused prefixes)."""
+        if not slots:
+            return
+        nbytes = 0
+        for s in slots:
+            rec = self.tier.record(s)
+            nbytes += rec.nbytes
+            self._group_hits[rec.group] += 1
+        self._served[requester] += nbytes
+        if len(self._group_hits) > 4096:  # keep the top ones only
+            self._group_hits = Counter(dict(self._group_hits.most_common(1024)))
 
     def unpin(self, pin_id: int) -> None:
         if isinstance(pin_id, bool) or not isinstance(pin_id, int):
@@ -189,9 +210,10 @@ class KVNode:
 
     # -- peers ---------------------------------------------------------------------------------------------------
     def pull(self, request: bytes) -> tuple[bytes, np.ndarray]:
-        keys = unpack_keys(request, "PullRequest")
+        keys, requester = unpack_request(request, "PullRequest")
         slots = self._pin_host(keys)
         with self._lock:
+            self._account(requester or "?", slots)
             sizes = [self.tier.record(s).nbytes for s in slots]
         out = np.empty(sum(sizes), dtype=np.uint8)
         rows, bad, off = [], [], 0
@@ -215,10 +237,12 @@ class KVNode:
         self._drop(bad_chunks)
         return pack_chunk_header(rows), out[:off]
 
-    def _pin_for_send(self, keys: list[bytes]) -> tuple[list[int], list[tuple[int, int]], list[memoryview]]:
+    def _pin_for_send(self, keys: list[bytes], requester: str = "") -> tuple[list[int], list[tuple[int, int]],
+                                                                           list[memoryview]]:
         """For the DataServer: pin the leading run of `keys`; the client verifies the checksums it receives."""
         slots = self._pin_host(keys)
         with self._lock:
+            self._account(requester or "?", slots)
             rows = [(self.tier.record(s).nbytes, self.tier.record(s).checksum) for s in slots]
             self.stats_counts["pulls"] += 1
             self.stats_counts["pulled_chunks"] += len(slots)
@@ -280,6 +304,7 @@ class KVNode:
                 self.cascade.discard(key)
             self.stats_counts["corrupt_dropped"] += len(chunks)
         log.warning("KVNode %s dropped %d corrupt chunk(s)", self.node_id[:8], len(chunks))
+        self._event("corrupt_chunk", "checksum", f"{len(chunks)} chunk(s) dropped")
         self._sync_directory()
 
     def _sync_directory(self) -> None:
@@ -314,6 +339,7 @@ class KVNode:
         while not self._stop.wait(self.config.heartbeat_s):
             self._expire_pins()
             self._run_promotions()
+            self._publish()
             if self.fenced:
                 continue
             try:
@@ -330,6 +356,22 @@ class KVNode:
                 with self._lock:
                     self.stats_counts["directory_errors"] += 1
                 log.debug("heartbeat failed: %s", e)
+
+    def _publish(self) -> None:
+        """Telemetry at the edge: the stats snapshot to Redis (the live page) and to Ray metrics."""
+        stats = self.stats()
+        export_node_stats(self._ray_metrics, self.node_id, stats, self._last_published)
+        self._last_published = stats
+        try:
+            self._records.node_stats(self.node_id, stats)
+            events, self._pending_events = self._pending_events, []
+            for kind, reason, detail in events:
+                self._records.event(self.node_id, kind, reason, detail)
+        except redis.RedisError:
+            pass
+
+    def _event(self, kind: str, reason: str, detail: str = "") -> None:
+        self._pending_events.append((kind, reason, detail))
 
     def _io_loop(self) -> None:
         disk = self.cascade.disk
@@ -349,6 +391,7 @@ class KVNode:
                         self.stats_counts[f"disk_write_{errno.errorcode.get(e.errno, 'error')}"] += 1
                     log.warning("KVNode %s: disk write failed (%s); the chunk stays where it was or is dropped",
                                 self.node_id[:8], e)
+                    self._event("disk_write_failed", errno.errorcode.get(e.errno, "error"), str(e))
                 with self._lock:
                     self.cascade.finish_write(item, ok)
             elif kind == "verify":  # a chunk found on disk at start-up: register it once its bytes check out
@@ -390,6 +433,7 @@ class KVNode:
         with self._lock:
             self.stats_counts["resyncs"] += 1
         log.warning("KVNode %s re-joined the directory as incarnation %d", self.node_id[:8], self.lease.incarnation)
+        self._event("resync", "directory_lost", f"incarnation {self.lease.incarnation}")
         self._reregister()
 
     def _reregister(self) -> None:
@@ -423,6 +467,11 @@ class KVNode:
             if gpu is not None:
                 d.update(gpu_chunks=len(gpu), gpu_used_bytes=gpu.used_bytes,
                          gpu_capacity_bytes=gpu.num_slots * gpu.slot_bytes)
+            d["tiers"] = [{"tier": TIER_NAMES[t.tier_id], "chunks": len(t), "used_bytes": t.used_bytes,
+                           "capacity_bytes": t.num_slots * t.slot_bytes} for t in self.cascade._tiers()]
+            d["served_bytes"] = dict(self._served)
+            d["top_prefixes"] = [[g.hex(), n] for g, n in self._group_hits.most_common(10)]
+            d["time"] = time.time()
         return d
 
     def check_integrity(self, verify_checksums: bool = True) -> None:

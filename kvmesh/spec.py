@@ -90,6 +90,13 @@ class KVSpec:
                               self.num_kv_heads, self.head_dim, self.dtype, self.chunk_tokens, self.tp_rank,
                               self.tp_size, self.lora_id or "", self.layout_version], use_bin_type=True)
 
+    @classmethod
+    def from_canonical_bytes(cls, data: bytes) -> "KVSpec":
+        o = msgpack.unpackb(data, raw=False)
+        if not isinstance(o, list) or len(o) < 12 or o[0] != b"kvmesh-spec" or o[1] != SPEC_ENCODING_VERSION:
+            raise ValueError("not a kvmesh spec encoding")
+        return cls(o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9], o[10] or None, o[11])
+
     @property
     def element_size(self) -> int:
         return DTYPE_SIZES[self.dtype]

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import xxhash
 
-from kvmesh.wire import WireError, pack_chunk_header, pack_keys, unpack_chunk_header, unpack_keys
+from kvmesh.wire import WireError, pack_chunk_header, pack_keys, unpack_chunk_header, unpack_request
 
 log = logging.getLogger("kvmesh.transport")
 _LEN = struct.Struct("<I")
@@ -60,8 +60,8 @@ def _send_frame(sock: socket.socket, body: bytes) -> None:
 
 
 class DataServer:
-    """Serves pulls from a node's slab. `pin(keys)` returns (slots, [(nbytes, checksum)], [memoryview]) for the
-    leading run it holds, pinned; `unpin(slots)` releases them."""
+    """Serves pulls from a node's slab. `pin(keys, requester)` returns (slots, [(nbytes, checksum)], [memoryview])
+    for the leading run it holds, pinned; `unpin(slots)` releases them."""
 
     def __init__(self, pin: Callable, unpin: Callable, host: str = "127.0.0.1", port: int = 0) -> None:
         self._pin, self._unpin = pin, unpin
@@ -89,10 +89,10 @@ class DataServer:
         try:
             while not self._stop.is_set():
                 try:
-                    keys = unpack_keys(_recv_frame(conn), "PullRequest")
+                    keys, requester = unpack_request(_recv_frame(conn), "PullRequest")
                 except (ConnectionError, OSError):
                     return
-                slots, rows, views = self._pin(keys)
+                slots, rows, views = self._pin(keys, requester)
                 try:
                     _send_frame(conn, pack_chunk_header(rows))
                     for v in views:
@@ -139,7 +139,7 @@ class DataClient:
         return sock
 
     def pull(self, address: str, keys: list[bytes], expected_nbytes: int, dest: Callable[[int], list],
-             deadline: float) -> tuple[int, Exception | None]:
+             deadline: float, requester: str = "") -> tuple[int, Exception | None]:
         """Pull `keys` from the peer at `address`; chunk j's bytes go into the writable buffers `dest(j)`, in
         order (they add up to `expected_nbytes`). Returns how many leading chunks arrived intact, and the error
         that ended the pull early (None when the peer sent every chunk it holds)."""
@@ -150,7 +150,7 @@ class DataClient:
             return 0, e
         try:
             sock.settimeout(max(0.01, deadline - time.monotonic()))
-            _send_frame(sock, pack_keys(keys))
+            _send_frame(sock, pack_keys(keys, requester))
             rows = unpack_chunk_header(_recv_frame(sock))
             if len(rows) > len(keys) or any(n != expected_nbytes for n, _ in rows):
                 raise WireError("PullReply: unexpected chunk count or size")

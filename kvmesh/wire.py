@@ -8,7 +8,7 @@ travel beside the header as one contiguous uint8 buffer, chunks back to back in 
     NodeInfo      [1, node_id, actor_name, slab_path, slab_bytes, slot_bytes, data_addr]
     PinRequest    [1, [key, ...]]
     PinReply      [1, pin_id, [[slot, nbytes, checksum], ...], slab_path]   leading chunks, pinned
-    PullRequest   [1, [key, ...]]
+    PullRequest   [1, [key, ...], requester node id]
     PullReply     [1, [[nbytes, checksum], ...]]  + buffer              leading chunks found and verified
     StoreRequest  [1, [[group, key, nbytes, checksum], ...]] + buffer
 """
@@ -100,13 +100,19 @@ class NodeInfo:
         return replace(self, incarnation=incarnation)
 
 
-def pack_keys(keys: list[bytes]) -> bytes:
-    """PinRequest and PullRequest."""
-    return msgpack.packb([VERSION, list(keys)], use_bin_type=True)
+def pack_keys(keys: list[bytes], requester: str = "") -> bytes:
+    """PinRequest and PullRequest (the requester's node id lets the holder account its traffic)."""
+    return msgpack.packb([VERSION, list(keys), requester], use_bin_type=True)
 
 
 def unpack_keys(data, what: str = "request") -> list[bytes]:
-    return _keys(_field(_unpack(data, what), 1, list, what), what)
+    return unpack_request(data, what)[0]
+
+
+def unpack_request(data, what: str = "request") -> tuple[list[bytes], str]:
+    o = _unpack(data, what)
+    requester = o[2] if len(o) > 2 and isinstance(o[2], str) else ""
+    return _keys(_field(o, 1, list, what), what), requester[:128]
 
 
 @dataclass(frozen=True, slots=True)

@@ -206,6 +206,8 @@ def generate(model, prompt, max_new_tokens: int = 16, client=None, cache_salt=No
         if client is not None:
             client.cost.prefill.observe(n, 0, res.prefill_s)
     res.computed_tokens = n - res.reused_tokens
+    if client is not None:
+        client.record_request(res.reused_local_tokens, res.reused_peer_tokens, res.computed_tokens)
     nxt = logits.argmax(-1)
     res.tokens.append(int(nxt))
     res.ttft_s = time.perf_counter() - t0

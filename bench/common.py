@@ -67,3 +67,37 @@ def median_time(fn, repeat: int, warmup: int = 3) -> float:
         fn()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def plot_speedup(rows: list[dict], x: str, y: str, path, title: str, series: str | None = None) -> None:
+    """A PNG of speedup (y) against context length (x), log-x, with the break-even line and the crossover where
+    reuse starts to pay marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r.get(series, "") if series else "", []).append(r)
+    for name, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r[x])
+        xs, ys = [r[x] for r in rs], [r[y] for r in rs]
+        ax.plot(xs, ys, marker="o", label=name or y)
+        pays = [r[x] for r in rs if r[y] > 1.0]
+        if pays:
+            ax.axvline(min(pays), color="grey", linestyle=":", linewidth=1)
+            ax.annotate(f"pays from {min(pays)}", (min(pays), 1.0), textcoords="offset points", xytext=(4, 8),
+                        fontsize=8, color="grey")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("speedup vs recompute (x)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if series:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

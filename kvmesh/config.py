@@ -1,9 +1,17 @@
 """`KVMeshConfig`: the one configuration object. Built at the root (`kvmesh.start`, `kvmesh.connect`, the CLI) and
-handed down; everything below takes plain arguments from it."""
+handed down; everything below takes plain arguments from it.
+
+`KVMeshConfig.load(path)` reads a YAML file of field names, then `KVMESH_<FIELD>` environment variables (which win),
+then explicit overrides. Sizes may be written with units ("4GiB", "512MiB"), booleans as true/false/yes/no/1/0.
+Unknown keys, in the file or as KVMESH_ variables, are errors that name the key and where it came from.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 MiB = 1 << 20
@@ -92,3 +100,75 @@ class KVMeshConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def load(cls, path: str | None = None, env: Mapping[str, str] | None = None, **overrides) -> "KVMeshConfig":
+        env = os.environ if env is None else env
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict = {}
+        path = path or env.get("KVMESH_CONFIG") or None
+        if path:
+            import yaml
+
+            try:
+                with open(path) as f:
+                    data = yaml.safe_load(f) or {}
+            except OSError as e:
+                raise ValueError(f"kvmesh config {path}: {e.strerror}") from None
+            except yaml.YAMLError as e:
+                raise ValueError(f"kvmesh config {path} is not valid YAML: {e}") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"kvmesh config {path} must be a mapping of option: value")
+            for k, v in data.items():
+                if k not in fields:
+                    raise ValueError(f"kvmesh config {path}: unknown option {k!r} "
+                                     f"(known: {', '.join(sorted(fields))})")
+                values[k] = _convert(k, v, fields[k].type, f"{path}: {k}")
+        for name, raw in env.items():
+            if not name.startswith("KVMESH_") or name in _NOT_OPTIONS:
+                continue
+            k = name[len("KVMESH_"):].lower()
+            if k not in fields:
+                raise ValueError(f"environment variable {name} names no kvmesh option "
+                                 f"(known: {', '.join('KVMESH_' + f.upper() for f in sorted(fields))})")
+            values[k] = _convert(k, raw, fields[k].type, name)
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+
+
+_NOT_OPTIONS = {"KVMESH_CONFIG", "KVMESH_REDIS_SERVER", "KVMESH_COMMIT", "KVMESH_STATE_DIR"}
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text) -> int:
+    """'4GiB' -> 4294967296; ints pass through."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _convert(name: str, value, typ: str, where: str):
+    try:
+        if typ == "int":
+            return parse_size(value) if name.endswith("_bytes") else int(value)
+        if typ == "float":
+            return float(value)
+        if typ == "bool":
+            if isinstance(value, bool):
+                return value
+            v = str(value).strip().lower()
+            if v in ("1", "true", "yes", "on"):
+                return True
+            if v in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"not a boolean: {value!r}")
+        return str(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None

@@ -29,6 +29,8 @@ class DemoOptions:
     layers: int = 8
     seed: int = 0
     threads: int = 2
+    port: int = 0  # live page port (0: any free one)
+    linger: int = 0  # keep the live page up this many seconds after the run
 
 
 class DemoWorker:
@@ -81,7 +83,7 @@ def run_demo(o: DemoOptions, out=print) -> dict:
 
     t_start = time.perf_counter()
     redis_server = RedisServer()
-    cluster = None
+    cluster = dashboard = None
     try:
         out(f"starting: redis-server on {redis_server.url}, a {o.nodes}-node local Ray cluster ...")
         cluster = LocalRayCluster(o.nodes, num_cpus=1)
@@ -92,6 +94,10 @@ def run_demo(o: DemoOptions, out=print) -> dict:
         mesh = kvmesh.start(redis_server.url, cpu_bytes=o.cpu_mib * MiB, slot_bytes=spec.chunk_bytes)
         out(f"kvmesh: {len(mesh.nodes)} KVNodes, {o.cpu_mib} MiB CPU tier each; model {spec.model_id}, "
             f"{spec.chunk_bytes / MiB:.1f} MiB per {spec.chunk_tokens}-token chunk")
+        from kvmesh.dashboard import Dashboard
+
+        dashboard = Dashboard(redis_server.url, port=o.port).start()
+        out(f"live page: {dashboard.url}")
         worker_cls = ray.remote(DemoWorker)
         workers = [worker_cls.options(num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
                    .remote(asdict(o)) for n in mesh.node_ids]
@@ -129,8 +135,13 @@ def run_demo(o: DemoOptions, out=print) -> dict:
         }
         out(format_table(summary))
         summary["wall_s"] = time.perf_counter() - t_start
+        if o.linger:
+            out(f"the live page stays up for {o.linger} s: {dashboard.url}")
+            time.sleep(o.linger)
         return summary
     finally:
+        if dashboard is not None:
+            dashboard.stop()
         try:
             if cluster is not None:
                 kvmesh.stop()
@@ -173,13 +184,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=d.layers, help="model layers")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker")
+    p.add_argument("--port", type=int, default=d.port, help="port of the live page (default: any free one)")
+    p.add_argument("--linger", type=int, default=d.linger, help="keep the live page up this many seconds after")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON here")
 
 
 def main(args: argparse.Namespace) -> int:
     opts = DemoOptions(**{k: getattr(args, k) for k in asdict(DemoOptions())})
     for k, v in asdict(opts).items():
-        if v <= 0 and k != "seed":
+        if v <= 0 and k not in ("seed", "port", "linger"):
             print(f"kvmesh demo: --{k.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
     summary = run_demo(opts)

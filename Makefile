@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvmesh-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean chromium
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -15,7 +15,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kvmesh demo $(ARGS)
 
-test: $(STAMP)
+# the live page's test drives a real headless Chromium: Debian's package, installed here when missing
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    (apt-get install -y -q chromium >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)) ; } || \
+	  echo "note: no chromium, and it could not be installed here: the live page's browser test will skip"
+
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
 
 bench: $(STAMP)

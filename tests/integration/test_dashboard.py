@@ -27,7 +27,7 @@ def chromium() -> str | None:
 def w_traffic(store: bool, seed: int) -> int:
     c = kvmesh.connect(SPEC)
     g = torch.Generator().manual_seed(seed)
-    toks = torch.randint(0, 50_000, (32 * 4,), generator=g).tolist()
+    toks = torch.randint(0, 50_000, (32 * 4 + 10,), generator=g).tolist()  # 4 full chunks + 10 tokens
     if store:
         c.store(toks, torch.randn(SPEC.kv_shape(len(toks)), generator=g).to(torch.bfloat16))
         c.flush()
@@ -72,3 +72,33 @@ def test_live_page_shows_the_running_cluster(mesh, tmp_path):
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     finally:
         dash.stop()
+
+
+def test_metrics_reach_rays_prometheus_endpoint(mesh):
+    """What Grafana plots is really exported: scrape the Ray nodes' metrics endpoints after some traffic."""
+    import ray
+
+    a, b = mesh.node_ids[:2]
+    on_node(a, w_traffic, True, 2)
+    on_node(b, w_traffic, False, 2)
+    ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
+
+    want = {"ray_kvmesh_lookups_total", "ray_kvmesh_hits_total", "ray_kvmesh_misses_total",
+            "ray_kvmesh_reused_tokens_total", "ray_kvmesh_recomputed_tokens_total", "ray_kvmesh_tier_used_bytes",
+            "ray_kvmesh_tier_capacity_bytes", "ray_kvmesh_served_bytes_total", "ray_kvmesh_transfer_seconds_bucket",
+            "ray_kvmesh_directory_rtt_seconds_bucket"}
+    seen: set = set()
+
+    def scraped():
+        for port in ports:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                continue
+            seen.update(line.split("{")[0].split(" ")[0] for line in text.splitlines()
+                        if line.startswith("ray_kvmesh_"))
+        return want <= seen
+    try:
+        wait_until(scraped, 60, interval_s=2)
+    except AssertionError:
+        raise AssertionError(f"not exported: {sorted(want - seen)}") from None

@@ -48,3 +48,15 @@ def test_equal_specs_are_equal_and_frozen():
     assert a == b and a.namespace == b.namespace and hash(a) == hash(b)
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.num_layers = 3
+
+
+def test_config_loads_yaml_then_environment_with_units(tmp_path):
+    from kvmesh.config import KVMeshConfig
+
+    f = tmp_path / "kvmesh.yaml"
+    f.write_text("cpu_bytes: 512MiB\nlease_s: 4\nwrite_policy: write_through\n")
+    c = KVMeshConfig.load(str(f), env={"KVMESH_LEASE_S": "6", "KVMESH_PROMOTE_ON_HIT": "false"})
+    assert (c.cpu_bytes, c.lease_s, c.write_policy, c.promote_on_hit) == (512 << 20, 6.0, "write_through", False)
+    f.write_text("cpu_bites: 1\n")
+    with pytest.raises(ValueError, match="cpu_bites"):
+        KVMeshConfig.load(str(f), env={})

@@ -14,6 +14,14 @@ def redis_server():
         yield server
 
 
+@pytest.fixture(scope="module")
+def private_redis():
+    """A redis-server of the test module's own, for tests that flush or restart it (the session one is shared
+    with the running cluster)."""
+    with RedisServer() as server:
+        yield server
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):
     import time
 

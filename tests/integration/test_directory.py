@@ -21,9 +21,9 @@ def info(node: str) -> NodeInfo:
 
 
 @pytest.fixture
-def directory(redis_server):
-    redis.Redis.from_url(redis_server.url).flushall()
-    d = Directory(redis_server.url, prefix="t")
+def directory(private_redis):
+    redis.Redis.from_url(private_redis.url).flushall()
+    d = Directory(private_redis.url, prefix="t")
     yield d
     d.close()
 
@@ -68,10 +68,10 @@ def test_a_restarted_node_fences_its_old_incarnation(directory):
     assert [[x.incarnation for x in r] for r in rows] == [[new.incarnation]]
 
 
-def test_an_emptied_redis_asks_nodes_to_resync(directory, redis_server):
+def test_an_emptied_redis_asks_nodes_to_resync(directory, private_redis):
     a = directory.join(info("A"), 10_000)
     directory.register(a, TIER_CPU, G, [h(1)])
-    redis.Redis.from_url(redis_server.url).flushall()
+    redis.Redis.from_url(private_redis.url).flushall()
     assert directory.node_table().live == {}
     assert directory.heartbeat(a, 10_000) == "resync"
     a2 = directory.join(info("A"), 10_000)
@@ -87,11 +87,11 @@ def test_leave_removes_only_the_current_incarnation(directory):
     assert directory.node_table().live == {}
 
 
-def test_lookup_is_one_command_whatever_the_prompt_length(directory, redis_server):
+def test_lookup_is_one_command_whatever_the_prompt_length(directory, private_redis):
     a = directory.join(info("A"), 10_000)
     hashes = [i.to_bytes(16, "little") for i in range(512)]
     directory.register(a, TIER_CPU, G, hashes)
-    r = redis.Redis.from_url(redis_server.url)
+    r = redis.Redis.from_url(private_redis.url)
     r.config_resetstat()
     assert len(directory.longest_prefix(directory.lookup_raw(G, hashes), directory.node_table())) == 512
     stats = r.info("commandstats")

@@ -22,9 +22,9 @@ def k(i: int) -> bytes:
 
 
 @pytest.fixture
-def node(redis_server, tmp_path):
-    redis.Redis.from_url(redis_server.url).flushall()
-    cfg = KVMeshConfig(redis_url=redis_server.url, key_prefix="tn", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
+def node(private_redis, tmp_path):
+    redis.Redis.from_url(private_redis.url).flushall()
+    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="tn", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
                        lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path))
     n = KVNode(cfg, "node-a" * 4, "kvnode-a")
     yield n
@@ -110,11 +110,11 @@ def test_chunks_bigger_than_a_slot_are_refused(node):
     assert node.stats()["store_refused_too_big"] == 1
 
 
-def test_redis_restart_empty_triggers_resync_under_a_new_incarnation(node, redis_server):
+def test_redis_restart_empty_triggers_resync_under_a_new_incarnation(node, private_redis):
     node.store(*chunks(1, 2))
     old = node.lease.incarnation
-    redis_server.restart()
-    d = Directory(redis_server.url, "tn")
+    private_redis.restart()
+    d = Directory(private_redis.url, "tn")
     assert d.longest_prefix(d.lookup_raw(G, [k(1)]), d.node_table()) == []  # nothing stale in the gap
     wait_until(lambda: node.lease.incarnation != old and len(lookup(node, [1, 2])) == 2, 5)
     assert lookup(node, [1])[0][0].incarnation == node.lease.incarnation
@@ -123,13 +123,13 @@ def test_redis_restart_empty_triggers_resync_under_a_new_incarnation(node, redis
 
 
 @pytest.fixture
-def gpu_node(redis_server, tmp_path):
+def gpu_node(private_redis, tmp_path):
     """A node with a 2-slot GPU tier above a 4-slot CPU tier; on machines without CUDA the GPU tier lives on a
     CPU stand-in device, which exercises the same cascade."""
     import torch
 
-    redis.Redis.from_url(redis_server.url).flushall()
-    cfg = KVMeshConfig(redis_url=redis_server.url, key_prefix="tn", cpu_bytes=4 * SLOT, slot_bytes=SLOT,
+    redis.Redis.from_url(private_redis.url).flushall()
+    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="tn", cpu_bytes=4 * SLOT, slot_bytes=SLOT,
                        gpu_bytes=2 * SLOT, gpu_device="cuda" if torch.cuda.is_available() else "cpu",
                        lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path))
     n = KVNode(cfg, "node-g" * 4, "kvnode-g")
@@ -162,8 +162,8 @@ def test_gpu_tier_first_then_demotion_and_promotion_with_the_directory_tracking(
     gpu_node.check_integrity()
 
 
-def disk_node(redis_server, tmp_path, name="node-d" * 4, **kw):
-    cfg = KVMeshConfig(redis_url=redis_server.url, key_prefix="tn", cpu_bytes=kw.pop("cpu_slots", 2) * SLOT,
+def disk_node(private_redis, tmp_path, name="node-d" * 4, **kw):
+    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="tn", cpu_bytes=kw.pop("cpu_slots", 2) * SLOT,
                        slot_bytes=SLOT,
                        disk_dir=str(tmp_path / "disk"), disk_bytes=kw.pop("disk_slots", 6) * SLOT,
                        lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path), **kw)
@@ -175,11 +175,11 @@ def settled(node) -> bool:
     return s.get("disk_pending_io", 0) == 0
 
 
-def test_cpu_evictions_land_on_disk_and_are_served_bit_exact(redis_server, tmp_path):
+def test_cpu_evictions_land_on_disk_and_are_served_bit_exact(private_redis, tmp_path):
     from kvmesh.tiers import TIER_CPU, TIER_DISK
 
-    redis.Redis.from_url(redis_server.url).flushall()
-    node = disk_node(redis_server, tmp_path)
+    redis.Redis.from_url(private_redis.url).flushall()
+    node = disk_node(private_redis, tmp_path)
     try:
         # the CPU holds 2; a prompt's tail is evicted first (its head stays hot), so 3 and 4 go to disk
         node.store(*chunks(1, 2, 3, 4))
@@ -197,11 +197,11 @@ def test_cpu_evictions_land_on_disk_and_are_served_bit_exact(redis_server, tmp_p
         node.shutdown()
 
 
-def test_a_restarted_node_recovers_its_disk_and_drops_what_is_corrupt(redis_server, tmp_path):
+def test_a_restarted_node_recovers_its_disk_and_drops_what_is_corrupt(private_redis, tmp_path):
     from kvmesh.tiers import TIER_DISK
 
-    redis.Redis.from_url(redis_server.url).flushall()
-    node = disk_node(redis_server, tmp_path, write_policy="write_through")
+    redis.Redis.from_url(private_redis.url).flushall()
+    node = disk_node(private_redis, tmp_path, write_policy="write_through")
     node.store(*chunks(1, 2, 3))
     wait_until(lambda: node.stats().get("disk_writes", 0) == 3, 5)
     old_inc = node.lease.incarnation
@@ -218,7 +218,7 @@ def test_a_restarted_node_recovers_its_disk_and_drops_what_is_corrupt(redis_serv
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 1]))
-    again = disk_node(redis_server, tmp_path, write_policy="write_through")
+    again = disk_node(private_redis, tmp_path, write_policy="write_through")
     try:
         assert again.lease.incarnation != old_inc
         wait_until(lambda: again.stats().get("disk_recovered", 0) == 2, 5)
@@ -233,11 +233,11 @@ def test_a_restarted_node_recovers_its_disk_and_drops_what_is_corrupt(redis_serv
         again.shutdown()
 
 
-def test_a_full_or_failing_disk_refuses_counts_and_keeps_serving(redis_server, tmp_path):
+def test_a_full_or_failing_disk_refuses_counts_and_keeps_serving(private_redis, tmp_path):
     import errno as _errno
 
-    redis.Redis.from_url(redis_server.url).flushall()
-    node = disk_node(redis_server, tmp_path, disk_slots=3)
+    redis.Redis.from_url(private_redis.url).flushall()
+    node = disk_node(private_redis, tmp_path, disk_slots=3)
     try:
         node.store(*chunks(*range(1, 9)))  # 8 chunks: 2 in the CPU tier, a 3-slot disk budget for the rest
         wait_until(lambda: settled(node) and len(node.cascade.disk) == 3, 5)

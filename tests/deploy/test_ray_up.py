@@ -91,3 +91,13 @@ def test_bare_metal_settings_are_not_read_as_kvmesh_options():
         "KV_VENV", "KV_HOME", "KV_REDIS_PORT", "KV_RAY_PORT", "KV_DASHBOARD_HOST", "KV_DASHBOARD_PORT",
         "KV_NODE_IP", "KV_PIP_ARGS"}
     KVMeshConfig.load(env={"KV_VENV": "x", "KV_HOME": "y", "KVMESH_REDIS_URL": "redis://h:6380/0"})
+
+
+def test_dockerfile_no_deps_list_is_kvmeshs_dependencies_less_torch_and_ray():
+    import re as _re
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    want = {d for d in deps if not d.startswith(("torch", "ray"))}
+    text = (ROOT / "cluster" / "docker" / "Dockerfile").read_text()
+    assert set(_re.findall(r'"([a-z][a-z0-9-]*>=[0-9.]+)"', text)) == want

@@ -47,7 +47,7 @@ $(DEPLOY_STAMP): $(STAMP) pyproject.toml tests/deploy/get_helm.py
 	touch $@
 
 test-deploy: $(DEPLOY_STAMP)
-	KVMESH_HELM=$(abspath $(BIN))/helm $(BIN)/python -m pytest -q -p no:cacheprovider tests/deploy $(ARGS)
+	KV_HELM=$(abspath $(BIN))/helm $(BIN)/python -m pytest -q -p no:cacheprovider tests/deploy $(ARGS)
 
 # (filled in by the vLLM integration work)
 test-vllm:

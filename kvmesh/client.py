@@ -29,7 +29,7 @@ import torch
 from kvmesh.config import KVMeshConfig
 from kvmesh.cost import CostModel, LinkModel, LoadPlan, measure_memcpy_bps
 from kvmesh.directory import Directory, Holder, NodeTable
-from kvmesh.hashing import as_tokens, chunk_hashes, salt_bytes
+from kvmesh.hashing import HASH_BYTES, as_tokens, chunk_hashes, salt_bytes
 from kvmesh.spec import KVSpec
 from kvmesh.telemetry import ClientExporter, Records
 from kvmesh.tiers import TIER_DISK, TIER_NAMES, checksum
@@ -639,6 +639,82 @@ class KVMeshClient:
                 self.counts["store_failures"] += 1
         return stored
 
+    # -- by explicit chunk keys -----------------------------------------------------------------------------------
+    # For engines that name their pages themselves (SGLang's HiCache hands out page hashes, never token ids): the
+    # caller derives each key under this client's spec namespace and salt (`root_hash`), so keys of different
+    # specs never meet, and names the directory group they are registered in.
+    def lookup_keys(self, group: bytes, keys: list[bytes]) -> Match:
+        """`lookup` for caller-made keys: the longest run of `keys`, from the first, with a live holder in
+        directory group `group`. Pure read, one round trip; no cost-model plan (the engine decides)."""
+        self._check_keys(group, keys)
+        self.counts["lookups"] += 1
+        holders, why = [], None
+        if keys:
+            t0 = time.monotonic()
+            try:
+                values = self.directory.lookup_raw(group, keys)
+            except redis.RedisError as e:
+                self.counts["directory_errors"] += 1
+                log.debug("lookup failed: %s", e)
+                values, why = None, "directory_error"
+            if values is not None:
+                self._samples.append(("rtt", "", time.monotonic() - t0))
+                holders, why = self.directory.longest_prefix_why(values, self._current_table(), prefer=self.node_id)
+        chunks = tuple(ChunkMatch(k, hs) for k, hs in zip(keys, holders))
+        if keys:
+            self.counts["hits" if chunks else f"miss_{why}"] += 1
+        return Match(self.spec.namespace, self.spec.chunk_tokens, chunks, why=why or "")
+
+    def store_keys(self, group: bytes, keys: list[bytes], chunks) -> int:
+        """`store` for caller-made keys: `chunks[i]` (a tensor of the spec's dtype and `chunk_shape`, any
+        strides, e.g. a view into an engine's host pool) is chunk `keys[i]`, registered in directory group
+        `group`. Those not already cached are copied out before this returns and handed to the local node;
+        returns their count."""
+        self._check_keys(group, keys)
+        s = self.spec
+        if len(chunks) != len(keys):
+            raise ValueError(f"chunks has {len(chunks)} entries for {len(keys)} keys")
+        for c in chunks:
+            if not isinstance(c, torch.Tensor) or c.dtype != s.torch_dtype or tuple(c.shape) != s.chunk_shape:
+                raise ValueError(f"each chunk must be a {s.dtype} tensor of shape {list(s.chunk_shape)}")
+        if not keys:
+            return 0
+        if self._local is None:
+            self.counts["store_no_local_node"] += 1
+            return 0
+        try:
+            table = self._current_table()
+            held = [bool(self.directory.longest_prefix([v], table, prefer=self.node_id))
+                    for v in self.directory.lookup_raw(group, keys)]
+        except redis.RedisError:
+            self.counts["directory_errors"] += 1
+            held = [False] * len(keys)
+        todo = [i for i in range(len(keys)) if not held[i]]
+        if not todo:
+            return 0
+        self._reap_stores()
+        if len(self._pending_stores) >= MAX_INFLIGHT_STORES:
+            self.counts["store_dropped_busy"] += 1
+            return 0
+        cb = s.chunk_bytes
+        staging = np.empty(len(todo) * cb, dtype=np.uint8)
+        st = torch.from_numpy(staging).view(s.torch_dtype).view(len(todo), *s.chunk_shape)
+        items = []
+        for j, i in enumerate(todo):
+            st[j].copy_(chunks[i])
+            items.append(StoreItem(group, keys[i], cb, checksum(staging[j * cb:(j + 1) * cb])))
+        self._pending_stores.append(self._local.store.remote(pack_store(items), staging))
+        self.counts["stored_chunks"] += len(todo)
+        return len(todo)
+
+    @staticmethod
+    def _check_keys(group, keys) -> None:
+        if not isinstance(group, bytes) or len(group) != HASH_BYTES:
+            raise ValueError(f"group must be {HASH_BYTES} bytes")
+        if not isinstance(keys, (list, tuple)) or not all(isinstance(k, bytes) and len(k) == HASH_BYTES
+                                                          for k in keys):
+            raise ValueError(f"keys must be a list of {HASH_BYTES}-byte chunk keys")
+
     def close(self) -> None:
         self._closed.set()
         self._refresher.join(timeout=2)
@@ -665,20 +741,26 @@ def _spec_or_none(data: bytes) -> KVSpec | None:
 
 
 def connect(spec: KVSpec, redis_url: str | None = None, *, cache_salt: str | bytes | None = None,
-            config: KVMeshConfig | None = None, **options) -> KVMeshClient:
-    """A client for `spec` in this process. Finds the KVNode on this process's Ray node and takes its config
-    (directory URL included) unless `redis_url`/`config`/`options` say otherwise."""
+            config: KVMeshConfig | None = None, node_id: str | None = None, **options) -> KVMeshClient:
+    """A client for `spec` in this process. Finds the KVNode on this process's Ray node (or on `node_id`: for an
+    engine whose Ray connection lands elsewhere, e.g. a child process of an actor) and takes its config (directory
+    URL included) unless `redis_url`/`config`/`options` say otherwise."""
     if not isinstance(spec, KVSpec):
         raise TypeError(f"spec must be a kvmesh.KVSpec, got {type(spec).__name__}")
+    if node_id is not None and (not isinstance(node_id, str) or not node_id):
+        raise ValueError(f"node_id must be a Ray node id (hex string), got {node_id!r}")
     salt_bytes(cache_salt)
     from kvmesh.mesh import NAMESPACE, NodeHello, _require_ray, actor_name
 
     ray = _require_ray()
-    node_id = ray.get_runtime_context().get_node_id()
+    named = node_id is not None
+    node_id = node_id or ray.get_runtime_context().get_node_id()
     try:
         local = ray.get_actor(actor_name(node_id), namespace=NAMESPACE)
         hello = NodeHello.unpack(ray.get(local.hello.remote(), timeout=30))
-    except (ValueError, ray.exceptions.RayError):
+    except (ValueError, ray.exceptions.RayError) as e:
+        if named:
+            raise RuntimeError(f"no KVNode answers on Ray node {node_id} (call kvmesh.start first): {e}") from None
         local, hello = None, None
     if hello is None and redis_url is None and config is None:
         raise RuntimeError("no KVNode runs on this Ray node (call kvmesh.start first) and no redis_url was given")

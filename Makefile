@@ -52,8 +52,25 @@ test-deploy: $(DEPLOY_STAMP)
 # (filled in by the vLLM integration work)
 test-vllm:
 
-# (filled in by the SGLang integration work)
-test-sglang:
+# SGLang's HiCache L3 backend (kvmesh.integrations.sglang) against SGLang 0.5.23's own classes, on CPU. Its own
+# virtualenv: SGLang pins transformers 5.19 and CUDA torch 2.14.1. Lean recipe: CPU torch, sglang without its deps,
+# then the ~40 packages its processes import (tests/sglang/requirements.txt), all held on torch 2.13.0.
+SGL_VENV ?= .venv-sglang
+SGL_STAMP := $(SGL_VENV)/.kvmesh-sglang-installed
+
+$(SGL_STAMP): pyproject.toml tests/sglang/requirements.txt tests/sglang/constraints.txt
+	$(PY) -m venv $(SGL_VENV)
+	$(SGL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(SGL_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23 'torchvision==0.28.*'
+	$(SGL_VENV)/bin/python -m pip install -q -c tests/sglang/constraints.txt -r tests/sglang/requirements.txt \
+	  -e '.[test]'
+	$(SGL_VENV)/bin/python -c "import torch, importlib.metadata as m; assert torch.__version__.startswith('2.13.0'), \
+	  torch.__version__; assert m.version('sglang') == '0.5.23'"
+	touch $@
+
+test-sglang: $(SGL_STAMP)
+	$(SGL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/sglang $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/core.py $(ARGS)

@@ -1,0 +1,410 @@
+"""SGLang HiCache L3 storage backend: `KVMeshStorage`, so SGLang engines on different nodes share prefix KV.
+
+SGLang keeps its L1 (GPU) and L2 (host) tiers private to each engine; its L3 `HiCacheStorage` backend is the one
+tier that can span nodes. Load it with
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
+      '{"backend_name": "kvmesh", "module_path": "kvmesh.integrations.sglang", "class_name": "KVMeshStorage",
+        "interface_v1": 1, "ray_address": "auto", ...}'
+
+SGLang constructs it as `KVMeshStorage(storage_config, kwargs)` in its scheduler process, then registers the host
+pool, whose geometry completes the kvmesh spec. Primitives (the backend never raises out of a batch call and never
+answers one with None: failures become misses or False entries, counted in `counts`):
+
+    batch_exists(keys, extra_info) -> int      read, one directory round trip: leading pages with a live holder
+    batch_get_v1(keys, host_indices) -> [bool] reads: pages from this node's slab or a peer into the host pool
+    batch_set_v1(keys, host_indices) -> [bool] mutates: pages from the host pool into this node's tier, waited for
+    get/set/exists, batch_get/batch_set         the same through flat page tensors (SGLang's older interface)
+    clear()                                     mutates: a new generation for this spec and salt, cluster-wide
+    get_stats() -> StorageMetrics               pages and bandwidth per call since the last get_stats
+
+Identity. SGLang names pages by chained SHA-256 page hashes (seeded by the request's extra_key/cache_salt); token
+ids never reach an L3 backend. A kvmesh chunk is one SGLang page (`chunk_tokens` = page size), and its key mixes
+SGLang's page key into kvmesh's own namespace, so engines whose specs differ never share a page, whatever SGLang's
+keys say. Byte layout (written down once):
+
+    root  = hashing.root_hash(spec.namespace, cache_salt)
+    gen   = the generation of (spec, salt): an integer in Redis at  P:sglang:{<root hex>}:gen  (absent = 0)
+    group = BLAKE2b-128(root ‖ gen as <u8,                        person=b"kvmesh.sglgrp")
+    key_i = BLAKE2b-128(group ‖ SGLang page key i as UTF-8,       person=b"kvmesh.sglang")
+
+SGLang's page key already names its whole prefix, so key_i does too. The spec comes from the storage config and
+the host pool: model id (name plus revision, or a fingerprint of a local model directory's files), dtype, layers,
+KV heads, head dim, page size, TP rank and size (pipeline stages add their layer range to the model id).
+
+The directory group. All pages of one (spec, salt, generation) are registered in one directory group, so a lookup
+is one HMGET whatever pages SGLang asks about: SGLang queries and writes from any page of a sequence, not just the
+first, and passes the preceding keys only when `hicache_storage_pass_prefix_keys` is set. The cost is one Redis
+Cluster slot per model shard and salt.
+
+Ray. The backend runs inside SGLang's scheduler process and needs a Ray connection (`ray_address`, default
+`$RAY_ADDRESS` or "auto") and the node whose KVNode is its local one (`ray_node_id`, default
+`$KVMESH_RAY_NODE_ID`, else the node that connection lands on: on a real cluster with one raylet per host, the
+engine's own). An engine started inside a Ray actor can export its node id as `KVMESH_RAY_NODE_ID` for its
+children.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import Counter
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from kvmesh.client import connect
+from kvmesh.hashing import HASH_BYTES, root_hash, salt_bytes
+from kvmesh.spec import KVSpec
+
+log = logging.getLogger("kvmesh.sglang")
+
+# extra_config keys of this backend (SGLang's own keys, e.g. backend_name or interface_v1, pass through unchecked)
+OPTIONS = {
+    "ray_address": str,  # Ray cluster to join when this process has no Ray connection yet
+    "ray_node_id": str,  # the node whose KVNode is this engine's local one
+    "redis_url": str,  # the directory, if not the one the local KVNode uses
+    "cache_salt": str,  # tenant salt: engines with different salts never share
+    "model_id": str,  # the model's identity ("name@revision"); replaces name + revision/fingerprint
+    "model_revision": str,  # revision of a hub model (`model_name` is not a local directory)
+    "lora_id": str,  # adapter merged into the weights, if any
+    "fetch_timeout_s": (int, float),  # deadline of one batch_get
+    "generation_refresh_s": (int, float),  # how often the generation is re-read (another engine may clear)
+}
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+
+
+def parse_options(extra: dict | None) -> dict:
+    """The kvmesh options in SGLang's extra_config, type-checked (a bad one is a ValueError naming it)."""
+    out = {}
+    for name, kind in OPTIONS.items():
+        if extra and extra.get(name) is not None:
+            v = extra[name]
+            if isinstance(v, bool) or not isinstance(v, kind) or (kind is str and not v):
+                raise ValueError(f"kvmesh SGLang backend: extra_config[{name!r}] must be a non-empty "
+                                 f"{getattr(kind, '__name__', 'number')}, got {v!r}")
+            if kind is not str and v <= 0:
+                raise ValueError(f"kvmesh SGLang backend: extra_config[{name!r}] must be > 0, got {v!r}")
+            out[name] = v
+    return out
+
+
+def model_fingerprint(path: str) -> str:
+    """BLAKE2b-64 over a local model directory's config and weight files (names, sizes, bytes)."""
+    h = hashlib.blake2b(digest_size=8, person=b"kvmesh.weights")
+    names = sorted(n for n in os.listdir(path)
+                   if n == "config.json" or n.endswith((".safetensors", ".bin", ".pt", ".gguf")))
+    for name in names:
+        full = os.path.join(path, name)
+        h.update(f"{name}|{os.path.getsize(full)}|".encode())
+        with open(full, "rb") as f:
+            while block := f.read(8 << 20):
+                h.update(block)
+    return h.hexdigest()
+
+
+def model_identity(storage_config: HiCacheStorageConfig, options: dict) -> str:
+    if "model_id" in options:
+        return options["model_id"]
+    name = storage_config.model_name
+    if not name:
+        raise ValueError("kvmesh SGLang backend: the storage config has no model_name; set extra_config model_id")
+    if os.path.isdir(name):
+        return f"{os.path.basename(os.path.normpath(name))}@{model_fingerprint(name)}"
+    if "model_revision" not in options:
+        raise ValueError(f"kvmesh SGLang backend: {name!r} is not a local directory, so kvmesh cannot fingerprint "
+                         f"its weights; set extra_config model_revision (or model_id)")
+    return f"{name}@{options['model_revision']}"
+
+
+def spec_for_pool(storage_config: HiCacheStorageConfig, host_pool, options: dict) -> KVSpec:
+    """The kvmesh spec of the pages in SGLang's host pool: one chunk per page."""
+    layout = getattr(host_pool, "layout", None)
+    if layout not in LAYOUTS or not hasattr(host_pool, "kv_buffer"):
+        raise ValueError(f"kvmesh SGLang backend supports MHA host pools with layout in {LAYOUTS}, got "
+                         f"{type(host_pool).__name__} with layout {layout!r}")
+    if getattr(host_pool, "v_head_dim", host_pool.head_dim) != host_pool.head_dim:
+        raise ValueError("kvmesh SGLang backend: K and V head dims differ; kvmesh chunks hold equal K and V")
+    model_id = model_identity(storage_config, options)
+    if storage_config.pp_size > 1:  # stages hold different layers of the same model
+        model_id += f"#layers{host_pool.start_layer}-{host_pool.end_layer}"
+    return KVSpec(model_id=model_id, num_layers=host_pool.layer_num, num_kv_heads=host_pool.head_num,
+                  head_dim=host_pool.head_dim, dtype=str(host_pool.dtype).removeprefix("torch."),
+                  chunk_tokens=host_pool.page_size, tp_rank=storage_config.tp_rank,
+                  tp_size=storage_config.tp_size, lora_id=options.get("lora_id"))
+
+
+def generation_group(root: bytes, generation: int) -> bytes:
+    return hashlib.blake2b(root + generation.to_bytes(8, "little"), digest_size=HASH_BYTES,
+                           person=b"kvmesh.sglgrp").digest()
+
+
+def page_keys(group: bytes, keys: list[str]) -> list[bytes]:
+    """kvmesh chunk keys of SGLang page keys, in `group`'s generation (see the module docstring)."""
+    return [hashlib.blake2b(group + k.encode("utf-8"), digest_size=HASH_BYTES, person=b"kvmesh.sglang").digest()
+            for k in keys]
+
+
+def chunk_view(page: torch.Tensor, layout: str) -> torch.Tensor:
+    """One host-pool page, shaped as `get_data_page(i, flat=False)` gives it, viewed (no copy) as a kvmesh chunk
+    [layers, 2 (K, V), page, kv_heads, head_dim]."""
+    if layout == "layer_first":  # [2, L, P, H, D]
+        return page.transpose(0, 1)
+    if layout == "page_first":  # [2, P, L, H, D]
+        return page.permute(2, 0, 1, 3, 4)
+    if layout == "page_first_direct":  # [2, 1, L, P, H, D]
+        return page[:, 0].transpose(0, 1)
+    if layout == "page_head":  # [2, 1, H, P, L, D]
+        return page[:, 0].permute(3, 0, 2, 1, 4)
+    raise ValueError(f"unsupported host pool layout {layout!r}")
+
+
+class KVMeshStorage(HiCacheStorage):
+    """SGLang's L3 tier in kvmesh. Thread-safe: SGLang calls it from its prefetch and backup threads."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
+        self.storage_config = storage_config
+        self.options = parse_options(storage_config.extra_config)
+        if storage_config.is_mla_model:
+            raise ValueError("kvmesh SGLang backend: MLA models are not supported (kvmesh chunks hold K and V)")
+        if storage_config.should_split_heads:
+            raise ValueError("kvmesh SGLang backend: split-head storage (TP sizes of different engines mixed) "
+                             "is not supported")
+        salt_bytes(self.options.get("cache_salt"))
+        self.counts: Counter[str] = Counter()  # becomes the client's counts (exported with them) once connected
+        self.client = None
+        self.spec: KVSpec | None = None
+        self.mem_pool_host = None
+        self._io = threading.Lock()  # fetch and store share the client's buffers
+        self._gen_lock = threading.Lock()
+        self._root = b""
+        self._generation = 0
+        self._group = b""
+        self._gen_at = 0.0
+        self._scratch: torch.Tensor | None = None
+        self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
+        import ray
+
+        if not ray.is_initialized():
+            address = self.options.get("ray_address") or os.environ.get("RAY_ADDRESS") or "auto"
+            ray.init(address=address, namespace="kvmesh-sglang", logging_level="WARNING", log_to_driver=False)
+
+    # -- registration -------------------------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """SGLang hands over its host pool: its geometry completes the spec, and the client connects."""
+        super().register_mem_pool_host(mem_pool_host)
+        spec = spec_for_pool(self.storage_config, mem_pool_host, self.options)
+        if self.client is not None:
+            if spec == self.spec:
+                return
+            self.client.close()
+        node_id = self.options.get("ray_node_id") or os.environ.get("KVMESH_RAY_NODE_ID") or None
+        client = connect(spec, self.options.get("redis_url"), cache_salt=self.options.get("cache_salt"),
+                         node_id=node_id)
+        client.counts.update(self.counts)
+        self.client, self.spec, self.counts = client, spec, client.counts
+        self._layout = mem_pool_host.layout
+        self._page_shape = tuple(mem_pool_host.get_data_page(0, flat=False).shape)
+        self._root = root_hash(spec.namespace, self.options.get("cache_salt"))
+        self._gen_at = 0.0
+        self._refresh_generation(force=True)
+        if spec.chunk_bytes * 8 < client.config.slot_bytes:
+            log.warning("kvmesh: an SGLang page is %d bytes but the nodes' slots are %d bytes; most of each slot "
+                        "is wasted (set slot_bytes near the page size)", spec.chunk_bytes, client.config.slot_bytes)
+        log.info("kvmesh SGLang backend on node %s: %s", client.node_id, spec)
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        if str(getattr(host_pool_name, "value", host_pool_name)) != "kv":
+            raise ValueError(f"kvmesh SGLang backend: only the KV pool is supported, not {host_pool_name!r} "
+                             f"(hybrid Mamba/SWA/DSA models)")
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    # -- generation (clear) ---------------------------------------------------------------------------------------
+    def _gen_key(self) -> str:
+        return f"{self.client.config.key_prefix}:sglang:{{{self._root.hex()}}}:gen"
+
+    def _refresh_generation(self, force: bool = False) -> bytes:
+        """The directory group of the current generation, re-read at most every `generation_refresh_s`."""
+        now = time.monotonic()
+        if force or now - self._gen_at > self.options.get("generation_refresh_s", 1.0):
+            with self._gen_lock:
+                self._gen_at = now
+                try:
+                    raw = self.client.directory.redis.get(self._gen_key())
+                    gen = int(raw) if raw is not None else 0
+                except Exception as e:  # Redis away: keep the last generation
+                    self.counts["sglang_generation_errors"] += 1
+                    log.debug("kvmesh: generation read failed: %s", e)
+                    gen = self._generation
+                if gen != self._generation or not self._group:
+                    self._generation, self._group = gen, generation_group(self._root, gen)
+        return self._group
+
+    def clear(self) -> None:
+        """Forget every page of this spec and salt, cluster-wide: a new generation (engines of this spec see it
+        within `generation_refresh_s`); the old directory group is deleted and nodes evict its bytes in time."""
+        if self.client is None:
+            return
+        try:
+            r = self.client.directory.redis
+            old = self._refresh_generation(force=True)
+            gen = int(r.incr(self._gen_key()))
+            r.delete(self.client.directory.group_key(old))
+            with self._gen_lock:
+                self._generation, self._group = gen, generation_group(self._root, gen)
+            self.counts["sglang_clears"] += 1
+        except Exception as e:
+            self.counts["sglang_errors_clear"] += 1
+            log.warning("kvmesh: clear failed: %s", e)
+
+    # -- queries ------------------------------------------------------------------------------------------------
+    def _lookup(self, keys: list[str]):
+        group = self._refresh_generation()
+        return self.client.lookup_keys(group, page_keys(group, keys))
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many leading pages of `keys` some live node holds; one directory round trip."""
+        if not keys:
+            return 0
+        if self.client is None:
+            self.counts["sglang_not_registered"] += 1
+            return 0
+        try:
+            n = self._lookup(list(keys)).num_chunks
+        except Exception as e:
+            self.counts["sglang_errors_exists"] += 1
+            log.warning("kvmesh: batch_exists failed: %s", e)
+            return 0
+        self.counts["sglang_exists_pages_asked"] += len(keys)
+        self.counts["sglang_exists_pages_hit"] += n
+        return n
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # -- reads --------------------------------------------------------------------------------------------------
+    def _fetch(self, keys: list[str], write_page) -> int:
+        """Fetch the leading cached pages of `keys`; `write_page(i, chunk)` puts page i where SGLang wants it.
+        Returns how many pages arrived intact (a failed holder or the deadline truncates)."""
+        match = self._lookup(keys)
+        n = match.num_chunks
+        if not n:
+            return 0
+        s = self.spec
+        with self._io:
+            if self._scratch is None or self._scratch.shape[2] < n * s.chunk_tokens:
+                self._scratch = torch.zeros(s.kv_shape(max(n, 16) * s.chunk_tokens), dtype=s.torch_dtype)
+            got = self.client.fetch(match, out=self._scratch, deadline_s=self.options.get("fetch_timeout_s"))
+            k = got.shape[2] // s.chunk_tokens
+            C = s.chunk_tokens
+            for i in range(k):
+                write_page(i, got[:, :, i * C:(i + 1) * C])
+        return k
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Pages of `keys` into the host pool at `host_indices` (page_size slots per key), straight from the
+        fetched chunks; True for each page that arrived."""
+        t0 = time.monotonic()
+        ok = self._guarded("get", len(keys), lambda: self._fetch(
+            list(keys), lambda i, chunk: self._host_page(int(host_indices[i * self.spec.chunk_tokens])).copy_(chunk)))
+        self._note("prefetch", ok, t0)
+        return [i < ok for i in range(len(keys))]
+
+    def batch_get(self, keys: list[str], target_locations=None, target_sizes=None) -> list:
+        """Older interface: pages into `target_locations`, flat tensors in the host pool's page layout."""
+        if target_locations is None or len(target_locations) != len(keys):
+            self.counts["sglang_errors_get"] += 1
+            return [None] * len(keys)
+        t0 = time.monotonic()
+        ok = self._guarded("get", len(keys), lambda: self._fetch(
+            list(keys), lambda i, chunk: self._flat_page(target_locations[i]).copy_(chunk)))
+        self._note("prefetch", ok, t0)
+        return [target_locations[i] if i < ok else None for i in range(len(keys))]
+
+    def get(self, key: str, target_location=None, target_sizes=None):
+        if target_location is None:
+            target_location = self.mem_pool_host.get_dummy_flat_data_page()
+        return self.batch_get([key], [target_location])[0]
+
+    # -- writes -------------------------------------------------------------------------------------------------
+    def _store(self, keys: list[str], chunks: list[torch.Tensor]) -> bool:
+        """Hand the pages not yet cached to the local node and wait until it holds them and registered them."""
+        group = self._refresh_generation()
+        c = self.counts
+        refused = c["store_no_local_node"] + c["store_dropped_busy"]
+        with self._io:
+            sent = self.client.store_keys(group, page_keys(group, keys), chunks)
+            stored = self.client.flush() if sent else 0
+        return stored == sent and c["store_no_local_node"] + c["store_dropped_busy"] == refused
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        t0 = time.monotonic()
+        P = self.spec.chunk_tokens if self.spec else 0
+        ok = self._guarded("set", len(keys), lambda: len(keys) if self._store(
+            list(keys), [self._host_page(int(host_indices[i * P])) for i in range(len(keys))]) else 0)
+        self._note("backup", ok, t0)
+        return [ok == len(keys)] * len(keys)
+
+    def batch_set(self, keys: list[str], values=None, target_locations=None, target_sizes=None) -> bool:
+        """Older interface: `values` are flat tensors in the host pool's page layout."""
+        if values is None or len(values) != len(keys):
+            self.counts["sglang_errors_set"] += 1
+            return False
+        t0 = time.monotonic()
+        ok = self._guarded("set", len(keys), lambda: len(keys) if self._store(
+            list(keys), [self._flat_page(v) for v in values]) else 0)
+        self._note("backup", ok, t0)
+        return ok == len(keys)
+
+    def set(self, key: str, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+    def _host_page(self, index: int) -> torch.Tensor:
+        return chunk_view(self.mem_pool_host.get_data_page(index, flat=False), self._layout)
+
+    def _flat_page(self, flat: torch.Tensor) -> torch.Tensor:
+        return chunk_view(flat.view(self._page_shape), self._layout)
+
+    def _guarded(self, what: str, n: int, fn) -> int:
+        """Run a batch call's body: any failure is a miss (0 pages), counted and logged, never raised."""
+        if not n:
+            return 0
+        if self.client is None:
+            self.counts["sglang_not_registered"] += 1
+            return 0
+        try:
+            ok = fn()
+        except Exception as e:
+            self.counts[f"sglang_errors_{what}"] += 1
+            log.warning("kvmesh: batch %s of %d pages failed: %s", what, n, e)
+            ok = 0
+        self.counts[f"sglang_{what}_pages_asked"] += n
+        self.counts[f"sglang_{what}_pages_ok"] += ok
+        return ok
+
+    def _note(self, kind: str, pages: int, t0: float) -> None:
+        if pages and self.spec is not None:
+            dt = max(time.monotonic() - t0, 1e-9)
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bandwidth"].append(pages * self.spec.chunk_bytes / dt / 1e9)  # GB/s
+
+    def get_stats(self):
+        """SGLang's `StorageMetrics`: pages and GB/s of each get/set since the last call (kvmesh's own counters,
+        misses by reason included, are in `counts` and exported with the client's)."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        m, self._metrics = self._metrics, {k: [] for k in self._metrics}
+        return StorageMetrics(**m)
+
+    def close(self) -> None:
+        if self.client is not None:
+            try:
+                self.client.close()
+            finally:
+                self.client = None

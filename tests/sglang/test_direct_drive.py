@@ -131,8 +131,8 @@ def keys_for(tag: str, n: int = PAGES) -> list[str]:
 
 @pytest.fixture(scope="module")
 def engines(sgl_cluster):
-    _, mesh = sgl_cluster
-    _, a, b = mesh.node_ids
+    cluster, _ = sgl_cluster
+    _, a, b = cluster.node_ids()  # head first: the driver's node stays
     ea, eb = engine_on(a, seed=1), engine_on(b, seed=2)
     assert ray.get([ea.node.remote(), eb.node.remote()], timeout=120) == [a, b]
     return ea, eb
@@ -169,8 +169,8 @@ def test_exists_is_a_prefix_and_a_partial_hit_reads_only_the_prefix(engines):
 
 
 def test_engines_with_another_spec_or_salt_never_share(sgl_cluster, engines):
-    _, mesh = sgl_cluster
-    _, _, b = mesh.node_ids
+    cluster, _ = sgl_cluster
+    _, _, b = cluster.node_ids()
     ea, _ = engines
     keys = keys_for("doc3")
     assert ray.get(ea.write.remote(keys, 0), timeout=60)[0] == [True] * PAGES
@@ -198,16 +198,16 @@ def test_older_interface_round_trips_flat_pages(engines):
 def test_page_first_layout_maps_pages_onto_chunks(sgl_cluster):
     # a page_first host pool (kv_buffer [2, tokens, layers, heads, head_dim]): chunk [layer, kv, t] is the
     # pool's kv_buffer[kv, page + t, layer], and a page written and read back lands where it was
-    _, mesh = sgl_cluster
-    e = engine_on(mesh.node_ids[1], seed=5, layout="page_first", model="tiny-pf@r1")
+    cluster, _ = sgl_cluster
+    e = engine_on(cluster.node_ids()[1], seed=5, layout="page_first", model="tiny-pf@r1")
     ok, exact, got, restored = ray.get(e.page_first_check.remote(keys_for("doc5", 2)), timeout=120)
     ray.kill(e)
     assert ok == [True, True] and exact and got == [True, True] and restored
 
 
 def test_clear_forgets_the_pages_cluster_wide(sgl_cluster):
-    _, mesh = sgl_cluster
-    _, a, b = mesh.node_ids
+    cluster, _ = sgl_cluster
+    _, a, b = cluster.node_ids()
     ea, eb = engine_on(a, seed=6, model="tiny-clear@r1"), engine_on(b, seed=7, model="tiny-clear@r1")
     keys = keys_for("doc6", 4)
     assert ray.get(ea.write.remote(keys, 0), timeout=120)[0] == [True] * 4
@@ -230,7 +230,7 @@ def test_clear_forgets_the_pages_cluster_wide(sgl_cluster):
 def test_a_dead_holder_node_gives_misses_not_errors(sgl_cluster, engines):
     # last in the module: removes node A. B's reads of A's pages become misses (False entries, 0 hits), are
     # counted, and B keeps working on its own pages.
-    cluster, mesh = sgl_cluster
+    cluster, _ = sgl_cluster
     ea, eb = engines
     keys = keys_for("doc7")
     ok, ref = ray.get(ea.write.remote(keys, 0), timeout=60)
@@ -238,8 +238,7 @@ def test_a_dead_holder_node_gives_misses_not_errors(sgl_cluster, engines):
     own = keys_for("doc7-b", 2)
     ok_b, ref_b = ray.get(eb.write.remote(own, 256), timeout=60)
     assert ok_b == [True, True]
-    node_a = cluster.nodes[1]
-    assert node_a.node_id == mesh.node_ids[1]
+    node_a = cluster.nodes[1]  # engine A's node (see `engines`)
     cluster.remove_node(node_a)
     # straight after the kill the directory may still list A (its lease runs 2 s) and A's processes may still be
     # going down: whatever arrives is a leading run of intact pages, the rest are misses

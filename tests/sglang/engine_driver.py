@@ -1,0 +1,58 @@
+"""One real SGLang engine (CPU, HiCache with kvmesh as its L3 backend), driven line by line by a test.
+
+    python engine_driver.py MODEL_DIR EXTRA_CONFIG_JSON
+
+reads JSON commands on stdin, one per line, and answers each with one line `REPLY <json>` on stdout:
+
+    {"op": "generate", "input_ids": [...], "max_new_tokens": 8}
+        -> {"ids": [...], "cached": {"device": d, "host": h, "storage": s, ...}, "prompt_tokens": n}
+    {"op": "flush"}   -> {"ok": true}     SGLang's flush_cache(): empties its GPU (here: device) and host tiers
+    {"op": "quit"}    -> {"ok": true}     shuts the engine down and exits
+
+The engine's scheduler process builds the backend: it joins the Ray cluster at $RAY_ADDRESS and uses the KVNode of
+$KVMESH_RAY_NODE_ID as its local node. The CPU shims come from PYTHONPATH (tests/sglang/shims), set by the test.
+"""
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    model_dir, extra = sys.argv[1], sys.argv[2]
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    import sglang as sgl
+
+    engine = sgl.Engine(
+        model_path=model_dir, device="cpu", attention_backend="torch_native", dtype="bfloat16", page_size=16,
+        max_total_tokens=4096, disable_cuda_graph=True, skip_server_warmup=True, random_seed=0,
+        enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_io_backend="direct",
+        hicache_mem_layout="layer_first", hicache_write_policy="write_through",
+        hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend="dynamic",
+        hicache_storage_backend_extra_config=extra, log_level="warning")
+    print("REPLY " + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "generate":
+            out = engine.generate(input_ids=cmd["input_ids"],
+                                  sampling_params={"temperature": 0, "max_new_tokens": cmd.get("max_new_tokens", 8),
+                                                   "ignore_eos": True})
+            meta = out["meta_info"]
+            cached = meta.get("cached_tokens_details") or {}
+            reply = {"ids": out["output_ids"], "cached": {k: v for k, v in dict(cached).items()
+                                                          if isinstance(v, (int, float))},
+                     "cached_tokens": meta.get("cached_tokens"), "prompt_tokens": meta.get("prompt_tokens")}
+        elif op == "flush":
+            reply = {"ok": bool(engine.flush_cache().success)}
+        elif op == "quit":
+            engine.shutdown()
+            print("REPLY " + json.dumps({"ok": True}), flush=True)
+            return
+        else:
+            reply = {"error": f"unknown op {op!r}"}
+        print("REPLY " + json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()

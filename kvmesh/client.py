@@ -585,23 +585,30 @@ class KVMeshClient:
             return 0
         held, _ = self._live_holders(hashes, prefix_only=False)
         todo = [i for i in range(len(hashes)) if i >= len(held) or not held[i]]
-        if not todo:
+        c = self.spec.chunk_tokens
+        return self._hand_over(hashes[0], [hashes[i] for i in todo],
+                               [kv[:, :, i * c:(i + 1) * c] for i in todo])
+
+    def _hand_over(self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor]) -> int:
+        """Copy `chunks` (each of the spec's `chunk_shape`, any strides) into one staging buffer and hand them to
+        the local node without waiting for it. Returns how many were handed over: 0 when too many stores are
+        already in flight (dropped and counted: a store never blocks the engine)."""
+        if not keys:
             return 0
         self._reap_stores()
         if len(self._pending_stores) >= MAX_INFLIGHT_STORES:
             self.counts["store_dropped_busy"] += 1
             return 0
         s, cb = self.spec, self.spec.chunk_bytes
-        staging = np.empty(len(todo) * cb, dtype=np.uint8)
-        st = torch.from_numpy(staging).view(len(todo), s.num_layers, 2, s.chunk_tokens, -1)
-        src = kv.view(torch.uint8).flatten(3)
+        staging = np.empty(len(keys) * cb, dtype=np.uint8)
+        st = torch.from_numpy(staging).view(s.torch_dtype).view(len(keys), *s.chunk_shape)
         items = []
-        for j, i in enumerate(todo):
-            st[j].copy_(src[:, :, i * s.chunk_tokens:(i + 1) * s.chunk_tokens])
-            items.append(StoreItem(hashes[0], hashes[i], cb, checksum(staging[j * cb:(j + 1) * cb])))
+        for j, (key, chunk) in enumerate(zip(keys, chunks)):
+            st[j].copy_(chunk)
+            items.append(StoreItem(group, key, cb, checksum(staging[j * cb:(j + 1) * cb])))
         self._pending_stores.append(self._local.store.remote(pack_store(items), staging))
-        self.counts["stored_chunks"] += len(todo)
-        return len(todo)
+        self.counts["stored_chunks"] += len(keys)
+        return len(keys)
 
     def _check_kv(self, kv, num_tokens: int) -> torch.Tensor:
         s = self.spec
@@ -690,22 +697,7 @@ class KVMeshClient:
             self.counts["directory_errors"] += 1
             held = [False] * len(keys)
         todo = [i for i in range(len(keys)) if not held[i]]
-        if not todo:
-            return 0
-        self._reap_stores()
-        if len(self._pending_stores) >= MAX_INFLIGHT_STORES:
-            self.counts["store_dropped_busy"] += 1
-            return 0
-        cb = s.chunk_bytes
-        staging = np.empty(len(todo) * cb, dtype=np.uint8)
-        st = torch.from_numpy(staging).view(s.torch_dtype).view(len(todo), *s.chunk_shape)
-        items = []
-        for j, i in enumerate(todo):
-            st[j].copy_(chunks[i])
-            items.append(StoreItem(group, keys[i], cb, checksum(staging[j * cb:(j + 1) * cb])))
-        self._pending_stores.append(self._local.store.remote(pack_store(items), staging))
-        self.counts["stored_chunks"] += len(todo)
-        return len(todo)
+        return self._hand_over(group, [keys[i] for i in todo], [chunks[i] for i in todo])
 
     @staticmethod
     def _check_keys(group, keys) -> None:

@@ -14,6 +14,7 @@ Primitives (none allocate per page; each runs one indexed kernel per layer over 
     to_host(chunks, host_dsts, stream=None) -> event                        device chunks -> host buffers, async
     store_paged(layers, block_table, host_dsts) -> event                    pages -> host chunks, pipelined
     load_paged(host_srcs, spec, layers, block_table) -> event               host chunks -> pages, pipelined
+    load_and_store_paged(load, store) -> (event, event)                     both at once, batches interleaved
     to_device(host_srcs, spec, device, ...) -> LayerwiseLoad                host chunks -> device, async, with
                                                                             completion per layer
 
@@ -125,11 +126,61 @@ def store_paged(layers: Sequence[torch.Tensor], block_table: torch.Tensor, host_
     """Engine pages -> host chunks without stalling the compute stream: on a side stream, gather `batch_chunks`
     chunks at a time into one of two device staging buffers and DMA each chunk out, so the gather of batch i+1
     overlaps the copies of batch i. Returns the final CUDA event (None on the CPU, where it runs inline)."""
-    n = block_table.shape[0]
     if not layers[0].is_cuda:
+        n = block_table.shape[0]
         for a in range(0, n, batch_chunks):
             to_host(gather_paged(layers, block_table[a:a + batch_chunks]), host_dsts[a:a + batch_chunks])
         return None
+    return _drain(_store_batches(layers, block_table, host_dsts, batch_chunks, stream))
+
+
+def load_paged(host_srcs: Sequence, spec: KVSpec, layers: Sequence[torch.Tensor], block_table: torch.Tensor,
+               batch_chunks: int = 8, stream: torch.cuda.Stream | None = None):
+    """Host chunks -> engine pages, pipelined: one DMA per chunk into one of two device staging buffers, and
+    the scatter of batch i (on its own stream) overlaps the copies of batch i+1. Completion is per batch, not
+    per layer (see `to_device` for layer-wise). Returns the final CUDA event (None on the CPU)."""
+    if not layers[0].is_cuda:
+        n = block_table.shape[0]
+        for a in range(0, n, batch_chunks):
+            ld = to_device(host_srcs[a:a + batch_chunks], spec, layers[0].device)
+            scatter_paged(ld.staging, layers, block_table[a:a + batch_chunks])
+        return None
+    return _drain(_load_batches(host_srcs, spec, layers, block_table, batch_chunks, stream))
+
+
+def load_and_store_paged(load: tuple, store: tuple, batch_chunks: int = 8) -> tuple:
+    """One engine step's loads and stores together: `load_paged(*load)` and `store_paged(*store)`, their batches
+    enqueued alternately. Issued one after the other, the second pipeline would start only once the host had
+    launched every batch of the first (a batch costs ~1-2 ms of kernel launches), leaving one DMA direction idle
+    that long; interleaved, both directions run from the start. Returns (load event, store event)."""
+    host_srcs, spec, dst_layers, load_table = load
+    src_layers, store_table, host_dsts = store
+    if not dst_layers[0].is_cuda:
+        return (load_paged(host_srcs, spec, dst_layers, load_table, batch_chunks),
+                store_paged(src_layers, store_table, host_dsts, batch_chunks))
+    steps = [_load_batches(host_srcs, spec, dst_layers, load_table, batch_chunks, None),
+             _store_batches(src_layers, store_table, host_dsts, batch_chunks, None)]
+    last: list = [None, None]
+    live = [0, 1]
+    while live:
+        for i in list(live):
+            try:
+                last[i] = next(steps[i])
+            except StopIteration:
+                live.remove(i)
+    return last[0], last[1]
+
+
+def _drain(batches):
+    done = None
+    for done in batches:
+        pass
+    return done
+
+
+def _store_batches(layers, block_table, host_dsts, batch_chunks, stream):
+    """store_paged on CUDA, one batch per step: yields each batch's completion event once it is enqueued."""
+    n = block_table.shape[0]
     device = layers[0].device
     stream = stream or torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -139,44 +190,37 @@ def store_paged(layers: Sequence[torch.Tensor], block_table: torch.Tensor, host_
     shape = (min(batch_chunks, n), len(layers), 2, c, h, d)
     with torch.cuda.stream(stream):
         bufs = [torch.empty(shape, dtype=layers[0].dtype, device=device) for _ in range(2)]
-        free = [None, None]  # event after which buffer i may be overwritten
-        done = None
-        for j, a in enumerate(range(0, n, batch_chunks)):
-            b = min(a + batch_chunks, n)
-            buf = bufs[j % 2][: b - a]
+    for buf in bufs:
+        buf.record_stream(copy_stream)
+    free = [None, None]  # event after which buffer i may be overwritten
+    for j, a in enumerate(range(0, n, batch_chunks)):
+        b = min(a + batch_chunks, n)
+        buf = bufs[j % 2][: b - a]
+        with torch.cuda.stream(stream):
             if free[j % 2] is not None:
                 stream.wait_event(free[j % 2])
             gather_paged(layers, block_table[a:b], out=buf)
             gathered = torch.cuda.Event()
             gathered.record(stream)
-            copy_stream.wait_event(gathered)
-            done = to_host(buf, host_dsts[a:b], stream=copy_stream)
-            free[j % 2] = done
-        for buf in bufs:
-            buf.record_stream(copy_stream)
-    return done
+        copy_stream.wait_event(gathered)
+        free[j % 2] = to_host(buf, host_dsts[a:b], stream=copy_stream)
+        yield free[j % 2]
 
 
-def load_paged(host_srcs: Sequence, spec: KVSpec, layers: Sequence[torch.Tensor], block_table: torch.Tensor,
-               batch_chunks: int = 8, stream: torch.cuda.Stream | None = None):
-    """Host chunks -> engine pages, pipelined: one DMA per chunk into one of two device staging buffers, and
-    the scatter of batch i (on its own stream) overlaps the copies of batch i+1. Completion is per batch, not
-    per layer (see `to_device` for layer-wise). Returns the final CUDA event (None on the CPU)."""
+def _load_batches(host_srcs, spec, layers, block_table, batch_chunks, stream):
+    """load_paged on CUDA, one batch per step: yields each batch's completion event once it is enqueued."""
     n = block_table.shape[0]
     device = layers[0].device
-    if not layers[0].is_cuda:
-        for a in range(0, n, batch_chunks):
-            ld = to_device(host_srcs[a:a + batch_chunks], spec, device)
-            scatter_paged(ld.staging, layers, block_table[a:a + batch_chunks])
-        return None
     copy_stream = stream or torch.cuda.Stream(device=device)
     scatter_stream = torch.cuda.Stream(device=device)
     for st in (copy_stream, scatter_stream):
         st.wait_stream(torch.cuda.current_stream(device))
     shape = (min(batch_chunks, n), *spec.chunk_shape)
     bufs = [torch.empty(shape, dtype=spec.torch_dtype, device=device) for _ in range(2)]
+    for buf in bufs:
+        buf.record_stream(copy_stream)
+        buf.record_stream(scatter_stream)
     free: list = [None, None]
-    done = None
     for j, a in enumerate(range(0, n, batch_chunks)):
         b = min(a + batch_chunks, n)
         buf = bufs[j % 2][: b - a]
@@ -193,11 +237,8 @@ def load_paged(host_srcs: Sequence, spec: KVSpec, layers: Sequence[torch.Tensor]
             scatter_paged(buf, layers, block_table[a:b])
             done = torch.cuda.Event(enable_timing=True)
             done.record(scatter_stream)
-            free[j % 2] = done
-    for buf in bufs:
-        buf.record_stream(copy_stream)
-        buf.record_stream(scatter_stream)
-    return done
+        free[j % 2] = done
+        yield done
 
 
 @dataclass

@@ -67,6 +67,18 @@ def test_store_to_the_cpu_tier_and_layerwise_load_round_trip_bit_exact(tier):
     targets = [torch.zeros_like(t) for t in layers]
     load_paged([v for _, v in reserved], SPEC, targets, table, batch_chunks=3).synchronize()
     assert torch.equal(gather_paged(targets, table).cpu(), expect)
+    # a load and a store in one step, batches interleaved: the load lands, the store writes the other pages
+    from kvmesh.movers import load_and_store_paged
+
+    again = [torch.zeros_like(t) for t in layers]
+    other = torch.randperm(64, generator=g)[:12].view(3, 4).cuda()
+    out = [torch.zeros(SPEC.chunk_bytes, dtype=torch.uint8).pin_memory() for _ in range(3)]
+    loaded, stored = load_and_store_paged(([v for _, v in reserved], SPEC, again, table), (layers, other, out),
+                                          batch_chunks=2)
+    loaded.synchronize()
+    stored.synchronize()
+    assert torch.equal(gather_paged(again, table).cpu(), expect)
+    assert torch.equal(torch.stack(out), gather_paged(layers, other).cpu().view(3, -1).view(torch.uint8))
 
 
 def test_store_does_not_wait_for_its_copies():

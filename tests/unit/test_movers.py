@@ -80,3 +80,20 @@ def test_pipelined_paged_store_and_load_round_trip():
     dst = [torch.zeros_like(t) for t in src]
     load_paged(hosts, spec, dst, table, batch_chunks=2)
     assert torch.equal(gather_paged(dst, table), gather_paged(src, table))
+
+
+def test_a_load_and_a_store_together_round_trip():
+    from kvmesh.movers import load_and_store_paged, store_paged
+
+    spec = KVSpec("m", num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32", chunk_tokens=8)
+    src = paged_layers(num_blocks=12)
+    table = torch.tensor([[7, 2], [0, 9], [11, 4]])
+    stored = [bytearray(spec.chunk_bytes) for _ in range(3)]
+    store_paged(src, table, stored)
+    # one step: load what was stored into fresh pages while storing other pages of the source
+    dst = [torch.zeros_like(t) for t in src]
+    other = torch.tensor([[1, 3], [5, 6]])
+    out = [bytearray(spec.chunk_bytes) for _ in range(2)]
+    assert load_and_store_paged((stored, spec, dst, table), (src, other, out), batch_chunks=1) == (None, None)
+    assert torch.equal(gather_paged(dst, table), gather_paged(src, table))
+    assert [bytes(b) for b in out] == [gather_paged(src, other)[i].numpy().tobytes() for i in range(2)]

@@ -47,6 +47,9 @@ class KVMeshConfig:
     node_refresh_s: float = 0.5  # how stale a client's view of live nodes may get
     pull_batch_bytes: int = 32 * MiB  # peer pulls are split into batches of about this size, pipelined
     peer_transport: str = "tcp"  # "tcp": KVNodes' DataServers (fast); "ray": Ray's object store only
+    # peer chunks come through this node's KVNode, which pulls each chunk once however many of its readers want it
+    # at the same time, and keeps it (registered), so later readers on this node hit locally
+    coalesce_pulls: bool = False
 
     def __post_init__(self) -> None:
         for name in ("cpu_bytes", "slot_bytes", "pull_batch_bytes"):
@@ -83,6 +86,8 @@ class KVMeshConfig:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"KVMeshConfig.redis_url must be a redis://, rediss:// or unix:// URL, "
                              f"got {self.redis_url!r}")
+        if not isinstance(self.coalesce_pulls, bool):
+            raise ValueError(f"KVMeshConfig.coalesce_pulls must be true or false, got {self.coalesce_pulls!r}")
         if self.peer_transport not in ("tcp", "ray"):
             raise ValueError(f"KVMeshConfig.peer_transport must be 'tcp' or 'ray', got {self.peer_transport!r}")
         if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:

@@ -268,7 +268,7 @@ class KVMeshClient:
         if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float))
                                        or deadline_s <= 0):
             raise ValueError(f"deadline_s must be a positive number, got {deadline_s!r}")
-        device = torch.device(device)
+        device = _device(device)
         t0 = time.monotonic()
         deadline = t0 + (deadline_s or self.config.fetch_timeout_s)
         n = match.num_chunks
@@ -563,6 +563,9 @@ class KVMeshClient:
 
             from kvmesh.mesh import NAMESPACE, actor_name
 
+            if not ray.is_initialized():  # a client outside Ray: never start or join a Ray cluster implicitly
+                self.counts["fetch_node_unknown"] += 1
+                return None
             try:
                 h = ray.get_actor(actor_name(node_id), namespace=NAMESPACE)
             except ValueError:
@@ -746,6 +749,21 @@ class KVMeshClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _device(device) -> torch.device:
+    """`device` as a torch.device: the CPU, or a CUDA device that this process can use."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):  # torch's words for a bad name or type
+        raise ValueError(f"device must be 'cpu', a CUDA device or a torch.device, got {device!r}") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device is {device!r}, but CUDA is not available in this process")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"device is {device!r}, but this process sees {torch.cuda.device_count()} CUDA device(s)")
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be the CPU or a CUDA device, got {device!r}")
+    return d
 
 
 def _spec_or_none(data: bytes) -> KVSpec | None:

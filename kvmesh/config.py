@@ -52,6 +52,12 @@ class KVMeshConfig:
     coalesce_pulls: bool = False
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # (annotations are strings here: `from __future__ import annotations`)
+            v = getattr(self, f.name)
+            if f.type == "str" and not isinstance(v, str):
+                raise ValueError(f"KVMeshConfig.{f.name} must be a string, got {v!r}")
+            if f.type == "bool" and not isinstance(v, bool):
+                raise ValueError(f"KVMeshConfig.{f.name} must be true or false, got {v!r}")
         for name in ("cpu_bytes", "slot_bytes", "pull_batch_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -86,8 +92,6 @@ class KVMeshConfig:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"KVMeshConfig.redis_url must be a redis://, rediss:// or unix:// URL, "
                              f"got {self.redis_url!r}")
-        if not isinstance(self.coalesce_pulls, bool):
-            raise ValueError(f"KVMeshConfig.coalesce_pulls must be true or false, got {self.coalesce_pulls!r}")
         if self.peer_transport not in ("tcp", "ray"):
             raise ValueError(f"KVMeshConfig.peer_transport must be 'tcp' or 'ray', got {self.peer_transport!r}")
         if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:

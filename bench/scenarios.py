@@ -133,7 +133,7 @@ def r1_remove_node(cluster, config: KVMeshConfig, fetches: int = 1000, threads: 
 
 # -- R2 ------------------------------------------------------------------------------------------------------------
 def r2_redis_restart(config: KVMeshConfig, redis_server, nodes: list[str], prompts: int = 16, cycles: int = 1,
-                     hang_s: float = 1.5, down_s: float = 1.0, threads: int = 2, seed: int = 2) -> dict:
+                     hang_s: float = 2.0, down_s: float = 1.0, threads: int = 2, seed: int = 2) -> dict:
     """A worker on B looks up, fetches and stores chunks held on A while Redis first hangs (SIGSTOP) and is then
     killed and restarted empty. While it hangs or is down, lookups must come back as misses within the lookup
     deadline and stores must not block; after the restart the nodes must re-register everything within 10 s;
@@ -146,7 +146,7 @@ def r2_redis_restart(config: KVMeshConfig, redis_server, nodes: list[str], promp
     wb = on(b)
     ref = wb.loop.remote(spec, ps + fresh, threads, 0, 3600.0, store_share=0.2, check_stale=True, seed=seed)
     d = Directory(config.redis_url, config.key_prefix)
-    time.sleep(1.0)
+    _wait(lambda: ray.get(wb.progress.remote()) >= 50, 120)  # the worker process is up and busy
     windows, rebuilt = [], []
     for _ in range(cycles):
         t = time.time()
@@ -159,8 +159,8 @@ def r2_redis_restart(config: KVMeshConfig, redis_server, nodes: list[str], promp
         redis_server.kill()
         time.sleep(down_s)
         windows.append(("down", t, time.time()))
+        t_up = time.monotonic()  # from the new process's launch: nodes may re-register before it is "ready"
         redis_server.start()
-        t_up = time.monotonic()
         done = _wait(lambda: all(_found(d, spec, p) == len(hashes_of(spec, p)) for p in ps), 30, 0.1)
         rebuilt.append(time.monotonic() - t_up if done else None)
         time.sleep(1.0)
@@ -170,7 +170,7 @@ def r2_redis_restart(config: KVMeshConfig, redis_server, nodes: list[str], promp
     s = summarize(ops)
     phases = {}
     for name, lo, hi in windows:
-        inside = [o for o in ops if lo <= o.t <= hi]
+        inside = [o for o in ops if o.t <= hi and o.t + o.lookup_s >= lo]  # calls that overlap the window
         f = [o for o in inside if o.op == "fetch"]
         st = [o for o in inside if o.op == "store"]
         ph = phases.setdefault(name, {"lookups": 0, "hits": 0, "stores": 0, "max_lookup_s": 0.0,

@@ -87,3 +87,84 @@ def test_concurrent_fetches_of_the_same_chunks_on_one_node_are_one_transfer(mesh
     print(json.dumps({k: st.get(k, 0) for k in ("pull_through_calls", "pull_through_pulled_chunks",
                                                  "pull_through_waited_chunks")}))
     assert st["pull_through_pulled_chunks"] >= 16
+
+
+def test_r2_redis_hangs_then_restarts_empty_during_traffic(mesh, redis_server):
+    r = report(scenarios.r2_redis_restart(mesh.config, redis_server, mesh.node_ids))
+    assert r["stale_holders"] == 0 and r["wrong_bytes"] == 0 and r["errors_raised"] == 0, r
+    assert all(s is not None and s <= 10 for s in r["rebuilt_s"]), r
+    for name, ph in r["phases"].items():  # misses within the deadline, stores that do not block
+        assert ph["lookups"] > 0 and ph["max_lookup_s"] <= r["lookup_timeout_s"] + 0.5, (name, ph)
+        assert ph["max_store_s"] <= r["lookup_timeout_s"] + 0.5, (name, ph)
+    assert r["ok"], r
+
+
+def test_r3_flipped_bits_are_detected_never_served_unregistered_and_counted(mesh):
+    r = report(scenarios.r3_corruption(mesh.config, mesh.node_ids, corruptions=24))
+    assert r["detected"] == r["corrupted_chunks"] and r["served_corrupt"] == 0 and r["wrong_bytes"] == 0, r
+    assert r["unregistered"] and r["counted_by_holders"] == r["corrupted_chunks"] and r["ok"], r
+
+
+def test_r4_models_dtypes_and_salts_never_cross_serve(mesh):
+    r = report(scenarios.r4_namespaces(mesh.config, mesh.node_ids))
+    assert r["cross_served_reads"] == 0 and r["wrong_bytes"] == 0 and r["hits_on_unstored_namespaces"] == 0, r
+    assert r["full_hits"] == r["reads"] and r["ok"], r
+
+
+def test_r5_64_workers_mixed_load_under_eviction_pressure(mesh):
+    r = report(scenarios.r5_mixed_load(mesh.config, mesh.node_ids, workers=64, seconds=20))
+    assert r["wrong_bytes"] == 0 and r["bad_prefixes"] == 0 and r["errors_raised"] == 0, r
+    assert r["evictions"] > 0 and r["working_set_chunks"] > r["capacity_chunks"], r
+    assert all(v == "ok" for v in r["integrity"].values()), r
+    assert abs(r["rss_growth_kvnodes"]) <= 0.05 and abs(r["rss_growth_workers"]) <= 0.05, r
+    assert r["ok"], r
+
+
+# -- R6: fuzzing -------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def plain_node(private_redis, tmp_path):
+    import redis
+
+    from kvmesh.config import KVMeshConfig
+    from kvmesh.node import KVNode
+
+    redis.Redis.from_url(private_redis.url).flushall()
+    n = KVNode(KVMeshConfig(redis_url=private_redis.url, key_prefix="fz", cpu_bytes=16 * 4096, slot_bytes=4096,
+                            lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path)), "node-f" * 4, "kvnode-f")
+    yield n
+    n.shutdown()
+
+
+def test_r6_fuzzed_messages_get_typed_errors_and_the_node_keeps_serving(plain_node):
+    from bench.fuzz import fuzz_data_server, fuzz_node, valid_store
+    from kvmesh.wire import pack_keys, unpack_chunk_header
+
+    keys = [bytes([7, i]) * 8 for i in range(3)]
+    assert plain_node.store(*valid_store(keys, keys[0], 4096)) == 3
+    r = report({"figure": "R6-node", **fuzz_node(plain_node, 300),
+                **{f"tcp_{k}": v for k, v in fuzz_data_server(plain_node, 60).items()}})
+    assert r["examples"] == 300 and r["tcp_examples"] == 60, r
+    header, data = plain_node.pull(pack_keys(keys))  # still serving, bit-exact
+    assert len(unpack_chunk_header(header)) == 3 and (data[:4096] == 1).all()
+    plain_node.check_integrity(directory=True)
+
+
+def test_r6_fuzzed_messages_never_crash_a_kvnode_actor(mesh):
+    from bench.fuzz import fuzz_actor
+
+    actor = scenarios._actors()[mesh.node_ids[2]]
+    r = report({"figure": "R6-actor", **fuzz_actor(actor, 80)})
+    assert r["examples"] == 80 and r["same_process_after"] == 1, r
+
+
+def test_r6_fuzzed_public_api_raises_only_typed_errors(mesh):
+    import kvmesh
+    from bench.chaoskit import make_spec
+    from bench.fuzz import fuzz_api
+
+    c = kvmesh.connect(make_spec("chaos-fuzz"))
+    try:
+        r = report({"figure": "R6-api", **fuzz_api(c, 400)})
+    finally:
+        c.close()
+    assert r["examples"] == 400, r

@@ -179,7 +179,12 @@ def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
                 requests = max(5_000, 200_000 // max(1, n // 8))
                 rps = redis_benchmark(server.port, ["HMGET", key, *fields], requests, clients)
                 rows[n] = {"lookups_per_s": rps, "ratio_to_get": rps / get_rps, "chunk_entries_per_s": rps * n}
-            out["L"] = {"get_per_s": get_rps, "clients": clients, "by_prompt_chunks": rows}
+            # a store's registration: the register script over a request's new chunks (4 here), as a node sends it
+            fields = [k[:6].decode() for k in keys[:4]]
+            reg = redis_benchmark(server.port, ["EVALSHA", d._register.sha, "1", key, str(lease.incarnation), "1",
+                                                "8", *fields], 100_000, clients)
+            out["L"] = {"get_per_s": get_rps, "clients": clients, "by_prompt_chunks": rows,
+                        "register_4_chunks_per_s": reg}
         conn.disconnect()
         r.close()
         d.close()

@@ -84,7 +84,9 @@ def main() -> None:
     results: dict = {}
     t0 = time.monotonic()
     try:
-        mesh = kvmesh.start(redis_server.url, cpu_bytes=32 * MiB, slot_bytes=256 * 1024, lease_s=2.0,
+        # slots of 16 KiB (the scenarios' chunks are 8 KiB, 16 KiB in float32): 2,048 per node, room for R3's
+        # corruptions; R5 sizes its working set to 1.5 times whatever the tiers hold
+        mesh = kvmesh.start(redis_server.url, cpu_bytes=32 * MiB, slot_bytes=16 * 1024, lease_s=2.0,
                             heartbeat_s=0.5, node_refresh_s=0.2, fetch_timeout_s=5.0, key_prefix="chaos")
         nodes = list(mesh.node_ids)
         cfg = mesh.config
@@ -117,7 +119,7 @@ def main() -> None:
         cluster.shutdown()
         redis_server.stop()
     save("chaos", {"setup": {"nodes": 3, "lease_s": 2.0, "heartbeat_s": 0.5, "cpu_bytes_per_node": 32 * MiB,
-                             "slot_bytes": 256 * 1024, "chunk_bytes": 8192, "args": vars(args)},
+                             "slot_bytes": 16 * 1024, "chunk_bytes": 8192, "args": vars(args)},
                    "all_ok": all(r["ok"] for r in results.values()), "wall_s": round(time.monotonic() - t0, 1),
                    **results})
 

@@ -113,12 +113,16 @@ class Worker:
         """One lookup and fetch per (prompt, client options), in order; the first not before `start_at` (wall
         clock), so that workers started apart can fetch at the same moment."""
         out = []
-        for toks, options in jobs:
-            c = kvmesh.connect(spec, cache_salt=salt, **options)
-            try:
+        clients: dict = {}  # one client per distinct options
+        try:
+            for toks, options in jobs:
+                key = tuple(sorted(options.items()))
+                if key not in clients:
+                    clients[key] = kvmesh.connect(spec, cache_salt=salt, **options)
                 time.sleep(max(0.0, start_at - time.time()))
-                out.append(self._fetch(c, spec, toks, salt, deadline_s=5.0))
-            finally:
+                out.append(self._fetch(clients[key], spec, toks, salt, deadline_s=5.0))
+        finally:
+            for c in clients.values():
                 c.close()
         return out
 

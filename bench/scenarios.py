@@ -12,6 +12,7 @@ test_chaos.py runs them CI-sized on the test session's cluster; bench/chaos.py r
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -231,7 +232,7 @@ def r3_corruption(config: KVMeshConfig, nodes: list[str], corruptions: int = 24,
     for i, p in enumerate(ps):
         j = rng.randrange(chunks)
         assert flip_bit(config, holder[i], hashes_of(spec, p)[j], rng.randrange(spec.chunk_bytes),
-                        1 << rng.randrange(8))
+                        1 << rng.randrange(8)), "a stored chunk is gone: size the tiers for the corruptions asked"
         flipped.append(j)
     paths = list(READ_PATHS)
     jobs: dict[str, list] = {n: [] for n in nodes}
@@ -310,7 +311,7 @@ def _rss(pids: list[int]) -> int:
 
 
 def r5_mixed_load(config: KVMeshConfig, nodes: list[str], workers: int = 64, seconds: float = 20.0,
-                  warmup_frac: float = 0.3, docs: int = 48, suffixes: int = 4, seed: int = 5) -> dict:
+                  warmup_frac: float = 0.3, docs: int | None = None, suffixes: int = 4, seed: int = 5) -> dict:
     """`workers` client threads (spread over one worker process per node, half of them pulling through their
     own node) store, look up and fetch prompts that share document prefixes, with a working set larger than the
     tiers: eviction runs all the time, and chunks are evicted between lookups and fetches. 0 wrong or torn
@@ -318,10 +319,12 @@ def r5_mixed_load(config: KVMeshConfig, nodes: list[str], workers: int = 64, sec
     is unfindable, nothing findable is gone) with every chunk's checksum intact; resident memory of the KVNodes
     and workers stays within 5 % from the end of the warm-up to the end."""
     spec = make_spec(f"chaos-r5-{seed}")
+    capacity = len(nodes) * config.num_slots
+    if docs is None:  # a working set 1.5 times what the tiers hold: eviction all the time
+        docs = math.ceil(1.5 * capacity / (4 + 2 * suffixes))
     pool = [prompt(seed * 100_000 + dd * 100 + s, 6, doc=seed * 1000 + dd, doc_chunks=4)
             for dd in range(docs) for s in range(suffixes)]
     working_set = len({h for p in pool for h in hashes_of(spec, p)})
-    capacity = len(nodes) * config.num_slots
     ws = [on(n) for n in nodes]
     pids = [ray.get(w.pid.remote()) for w in ws]
     actors = _actors()
@@ -371,6 +374,8 @@ def r5_mixed_load(config: KVMeshConfig, nodes: list[str], workers: int = 64, sec
         "rss_kvnodes_mib": [round(x[1] / 2**20, 1) for x in warm[:1] + warm[-1:]],
         "rss_workers_mib": [round(x[2] / 2**20, 1) for x in warm[:1] + warm[-1:]],
         "rss_growth_kvnodes": g_nodes, "rss_growth_workers": g_workers,
+        "rss_series_s_kvnodes_workers_mib": [(round(t), round(n / 2**20), round(w / 2**20))
+                                            for t, n, w in samples[::max(1, len(samples) // 12)]],
         "goal": "0 lost or torn chunks; resident memory flat within 5 %",
         "ok": (s["wrong_bytes"] == 0 and s["bad_prefixes"] == 0 and s["errors_raised"] == 0 and evictions > 0
                and all(v == "ok" for v in integrity.values()) and g_nodes is not None

@@ -3,7 +3,7 @@ bookkeeping and memory copies over the tiers; the node holds its lock around eve
 is handed on its I/O threads, and turns `changes` into directory updates.
 
     holds(key) / best_tier(key)             which tier has a chunk (the directory shows the best one)
-    prepare(key, group, nbytes)             reserve a slot in the top tier; its victims are demoted, not dropped
+    prepare(key, group, nbytes[, protect])  reserve a slot in the top tier; its victims are demoted, not dropped
     complete(ticket, checksum)              the chunk becomes readable (and, write_through, queued for disk)
     prepare_host(keys) -> (n, reads)        phase 1 of a read: the leading n keys can be served from the CPU slab;
                                             `reads` are disk chunks to bring up first (CPU slots reserved)
@@ -103,10 +103,11 @@ class Cascade:
         return any(key in t._by_key for t in self._tiers())
 
     # -- placing ------------------------------------------------------------------------------------------------
-    def prepare(self, key: bytes, group: bytes, nbytes: int) -> StoreTicket | None:
+    def prepare(self, key: bytes, group: bytes, nbytes: int, protect=frozenset()) -> StoreTicket | None:
+        """`protect`: keys not to evict for this chunk (the rest of a read that is being put together)."""
         if self.holds(key):
             return None
-        return self.top.prepare_store(key, group, nbytes, on_evict=self._evicting(self.top))
+        return self.top.prepare_store(key, group, nbytes, on_evict=self._evicting(self.top), protect=protect)
 
     def complete(self, ticket: StoreTicket, chunk_checksum: int) -> None:
         tier = self.top

@@ -4,8 +4,11 @@
                                   with the live holders of each chunk
     fetch(match) -> Tensor        brings matched chunks into this process: same-node chunks straight from the node's
                                   shared-memory slab (an actor call only pins), peer chunks streamed from the
-                                  holder's DataServer over TCP (or through Ray's object store) in batches. Whatever fails, is corrupt or misses the deadline truncates the
-                                  result to the intact leading part; the caller recomputes the rest
+                                  holder's DataServer over TCP (or through Ray's object store) in batches, or
+                                  (`coalesce_pulls`) through this node's KVNode, which pulls each chunk once for
+                                  all its concurrent readers and keeps it. Whatever fails, is corrupt or misses
+                                  the deadline truncates the result to the intact leading part; the caller
+                                  recomputes the rest
     store(tokens, kv) -> int      hands the full chunks not already cached to the local KVNode and returns their
                                   count; the copy into the node happens in the background (`flush` waits for it)
 
@@ -35,7 +38,8 @@ from kvmesh.telemetry import ClientExporter, Records
 from kvmesh.tiers import TIER_DISK, TIER_NAMES, checksum
 from kvmesh.tiers.cpu import SlabReader
 from kvmesh.transport import ChecksumError, DataClient
-from kvmesh.wire import StoreItem, WireError, pack_keys, pack_store, unpack_chunk_header, unpack_pin_reply
+from kvmesh.wire import (MAX_DEADLINE_MS, PullThrough, StoreItem, WireError, pack_keys, pack_pull_through, pack_store,
+                         unpack_chunk_header, unpack_pin_reply)
 
 log = logging.getLogger("kvmesh.client")
 MAX_INFLIGHT_STORES = 16  # more pending stores than this and new ones are dropped (counted), never waited for
@@ -69,6 +73,7 @@ class Match:
     start: int = 0  # index of the first chunk (non-zero only for a part selected with `select`)
     why: str = ""  # why the match ends where it does: "" (the whole prompt's full chunks), "not_cached",
     # "holder_dead", "spec_mismatch" (another spec of this model has the prefix), "directory_error"
+    group: bytes = b""  # the directory group of the prompt (its first chunk's hash): where pulled chunks register
 
     @property
     def num_tokens(self) -> int:
@@ -154,7 +159,8 @@ class KVMeshClient:
             if why == "not_cached" and self._cached_elsewhere(toks, salt):
                 why = "spec_mismatch"
             self.counts[f"miss_{why}"] += 1
-        match = Match(self.spec.namespace, self.spec.chunk_tokens, chunks, why=why or "")
+        match = Match(self.spec.namespace, self.spec.chunk_tokens, chunks, why=why or "",
+                      group=hashes[0] if hashes else b"")
         match = replace(match, plan=self.plan(match, len(toks)))
         if chunks and match.plan.end == 0:
             self.counts["miss_cost_model"] += 1
@@ -262,7 +268,7 @@ class KVMeshClient:
         if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float))
                                        or deadline_s <= 0):
             raise ValueError(f"deadline_s must be a positive number, got {deadline_s!r}")
-        device = torch.device(device)
+        device = _device(device)
         t0 = time.monotonic()
         deadline = t0 + (deadline_s or self.config.fetch_timeout_s)
         n = match.num_chunks
@@ -409,10 +415,19 @@ class KVMeshClient:
 
         self._release_pending_pins()
         nodes = self._current_table().by_node()
+        # through this node's KVNode: readers of this node share one transfer per chunk, and keep the chunks here
+        group = match.group or (match.chunks[0].hash if match.start == 0 else b"")
+        via = self.config.coalesce_pulls and self._slab is not None and bool(group)
         inflight = []  # (kind, first chunk, keys, ref or address, node id); Ray calls all start now
         for node_id, start, keys in self._plan(match):
             if node_id == self.node_id and self._slab is not None:
                 inflight.append(("pin", start, keys, self._local.pin.remote(pack_keys(keys, self.node_id or "")),
+                                 node_id))
+                continue
+            if via:
+                ms = max(0, min(MAX_DEADLINE_MS, int((deadline - time.monotonic()) * 1000)))
+                req = PullThrough(keys, group, self.spec.chunk_bytes, node_id, self.config.peer_transport, ms)
+                inflight.append(("via", start, keys, self._local.pull_through.remote(pack_pull_through(req)),
                                  node_id))
                 continue
             info = nodes.get(node_id)
@@ -423,7 +438,7 @@ class KVMeshClient:
             if actor is None:
                 break
             inflight.append(("ray", start, keys, actor.pull.remote(pack_keys(keys, self.node_id or "")), node_id))
-        got = {"pin": 0, "tcp": 0, "ray": 0}
+        got = {"pin": 0, "via": 0, "tcp": 0, "ray": 0}
         pos = 0
         t_prev = time.monotonic()
         for idx, (kind, start, keys, handle, node_id) in enumerate(inflight):
@@ -444,14 +459,14 @@ class KVMeshClient:
                             actor.report_corrupt.remote(pack_keys(keys[k:k + 1]))
                 else:
                     reply = ray.get(handle, timeout=max(0.0, deadline - time.monotonic()))
-                    k = (self._consume_pin(keys, reply, out, start) if kind == "pin"
+                    k = (self._consume_pin(keys, reply, out, start) if kind in ("pin", "via")
                          else self._consume_pull(reply, out, start))
             except (ray.exceptions.RayError, TimeoutError, WireError) as e:
                 self.counts[f"fetch_error_{type(e).__name__}"] += 1
                 self.counts[f"pull_failure_{type(e).__name__}"] += 1
                 self._last_error = "deadline" if isinstance(e, TimeoutError) else "peer_error"
                 log.debug("fetch of %d chunk(s) (%s) failed: %s", len(keys), kind, e)
-                if kind == "pin":
+                if kind in ("pin", "via"):
                     self._pending_pins.append(handle)
             got[kind] += k
             pos += k
@@ -462,9 +477,9 @@ class KVMeshClient:
                 self._samples.append(("transfer", source, now - t_prev))
             t_prev = now
             if k < len(keys):
-                self._pending_pins.extend(h for kd, _s, _k, h, _n in inflight[idx + 1:] if kd == "pin")
+                self._pending_pins.extend(h for kd, _s, _k, h, _n in inflight[idx + 1:] if kd in ("pin", "via"))
                 break
-        return got["pin"], got["tcp"] + got["ray"]
+        return got["pin"], got["via"] + got["tcp"] + got["ray"]
 
     def _chunk_segments(self, out: torch.Tensor, index: int) -> list[np.ndarray]:
         """The writable pieces of `out` that chunk `index` fills, in chunk byte order: for each layer, K then V,
@@ -548,6 +563,9 @@ class KVMeshClient:
 
             from kvmesh.mesh import NAMESPACE, actor_name
 
+            if not ray.is_initialized():  # a client outside Ray: never start or join a Ray cluster implicitly
+                self.counts["fetch_node_unknown"] += 1
+                return None
             try:
                 h = ray.get_actor(actor_name(node_id), namespace=NAMESPACE)
             except ValueError:
@@ -670,7 +688,7 @@ class KVMeshClient:
         chunks = tuple(ChunkMatch(k, hs) for k, hs in zip(keys, holders))
         if keys:
             self.counts["hits" if chunks else f"miss_{why}"] += 1
-        return Match(self.spec.namespace, self.spec.chunk_tokens, chunks, why=why or "")
+        return Match(self.spec.namespace, self.spec.chunk_tokens, chunks, why=why or "", group=group)
 
     def store_keys(self, group: bytes, keys: list[bytes], chunks) -> int:
         """`store` for caller-made keys: `chunks[i]` (a tensor of the spec's dtype and `chunk_shape`, any
@@ -723,6 +741,21 @@ class KVMeshClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _device(device) -> torch.device:
+    """`device` as a torch.device: the CPU, or a CUDA device that this process can use."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):  # torch's words for a bad name or type
+        raise ValueError(f"device must be 'cpu', a CUDA device or a torch.device, got {device!r}") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device is {device!r}, but CUDA is not available in this process")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"device is {device!r}, but this process sees {torch.cuda.device_count()} CUDA device(s)")
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be the CPU or a CUDA device, got {device!r}")
+    return d
 
 
 def _spec_or_none(data: bytes) -> KVSpec | None:

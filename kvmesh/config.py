@@ -47,8 +47,17 @@ class KVMeshConfig:
     node_refresh_s: float = 0.5  # how stale a client's view of live nodes may get
     pull_batch_bytes: int = 32 * MiB  # peer pulls are split into batches of about this size, pipelined
     peer_transport: str = "tcp"  # "tcp": KVNodes' DataServers (fast); "ray": Ray's object store only
+    # peer chunks come through this node's KVNode, which pulls each chunk once however many of its readers want it
+    # at the same time, and keeps it (registered), so later readers on this node hit locally
+    coalesce_pulls: bool = False
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # (annotations are strings here: `from __future__ import annotations`)
+            v = getattr(self, f.name)
+            if f.type == "str" and not isinstance(v, str):
+                raise ValueError(f"KVMeshConfig.{f.name} must be a string, got {v!r}")
+            if f.type == "bool" and not isinstance(v, bool):
+                raise ValueError(f"KVMeshConfig.{f.name} must be true or false, got {v!r}")
         for name in ("cpu_bytes", "slot_bytes", "pull_batch_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:

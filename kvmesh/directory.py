@@ -33,6 +33,7 @@ Primitives:
     unregister(lease, group, hashes)                 mutates: removes this incarnation's entries
     expire(node_id, inc)                             mutates: ends a lease now (Ray reported the node dead)
     purge(inc) -> entries dropped                    mutates: every entry of a dead incarnation, via its own index
+    entries_of(inc) -> {(group, field): tier}        read: an incarnation's entries, via its own index
     node_table() -> NodeTable                        read, one round trip
     lookup_raw(group, hashes) -> list[bytes | None]  read, one round trip
 """
@@ -392,6 +393,17 @@ class Directory:
         self._redis.delete(own)
         self._owned.pop(incarnation, None)
         return removed
+
+    def entries_of(self, incarnation: int) -> dict[tuple[bytes, bytes], int]:
+        """(group, field) -> tier of every entry naming `incarnation`, found through its own index (O(its own
+        groups)); for integrity checks."""
+        out: dict[tuple[bytes, bytes], int] = {}
+        for group in self._redis.smembers(self.own_key(incarnation)):
+            for fld, value in self._redis.hgetall(self.group_key(group)).items():
+                for inc, tier in self.decode_holders(value):
+                    if inc == incarnation:
+                        out[(group, fld)] = tier
+        return out
 
     def claim(self, name: str, holder: str, ttl_ms: int) -> bool:
         """A short lease on a named job (the janitor's round, one incarnation's purge): True if `holder` has it."""

@@ -246,9 +246,11 @@ class LocalRayCluster:
         self.nodes.append(node)
         return node
 
-    def remove_node(self, node) -> None:
+    def remove_node(self, node, graceful: bool = False) -> None:
+        """Kill the node's processes: at once (a crash: Ray finds out by its health checks), or `graceful` (its
+        raylet shuts down and tells the GCS, so Ray knows at once)."""
         self.nodes.remove(node)
-        self.cluster.remove_node(node, allow_graceful=False)
+        self.cluster.remove_node(node, allow_graceful=graceful)
 
     def shutdown(self) -> None:
         import ray

@@ -9,6 +9,10 @@ Ray actor (threaded, so a long pull never blocks a pin). Every public method tak
                                           path; the node's DataServer serves the same over TCP, see transport.py)
     store(StoreRequest, buf) -> int       mutates: places chunks in the CPU tier, registers them
     report_corrupt(PinRequest) -> int     mutates: re-verifies the named chunks, drops the bad ones
+    pull_through(PullThrough) -> PinReply mutates: pins the leading run here for a same-node reader, first pulling
+                                          from the holder the chunks not here yet; concurrent readers of a chunk
+                                          share its one transfer (`inflight.py`), and the chunks pulled stay
+                                          here, registered (a replica), for the readers that come later
     stats() -> dict                       reads
     shutdown()                            mutates: unregisters, leaves the directory, frees the slab
 
@@ -34,14 +38,16 @@ import numpy as np
 import redis
 
 from kvmesh.config import KVMeshConfig
-from kvmesh.directory import Directory, Lease
+from kvmesh.directory import FIELD_BYTES, Directory, Lease
 from kvmesh.telemetry import RayExporter, Records, export_node_stats
 from kvmesh.tiers import TIER_NAMES, checksum
 from kvmesh.cascade import Cascade
 from kvmesh.tiers.cpu import CpuTier
-from kvmesh.transport import DataServer
-from kvmesh.wire import (NodeInfo, PinnedChunk, WireError, pack_chunk_header, pack_pin_reply, unpack_keys,
-                         unpack_request, unpack_store)
+from kvmesh.inflight import InflightPulls
+from kvmesh.transport import ChecksumError, DataClient, DataServer
+from kvmesh.wire import (NodeInfo, PinnedChunk, StoreItem, WireError, pack_chunk_header, pack_keys, pack_pin_reply,
+                         pack_store, unpack_chunk_header, unpack_keys, unpack_pull_through, unpack_request,
+                         unpack_store)
 
 log = logging.getLogger("kvmesh.node")
 _SLAB_RE = re.compile(r"^kvmesh-(?P<node>[0-9a-f]+)-(?P<pid>\d+)-[0-9a-f]+$")
@@ -103,6 +109,10 @@ class KVNode:
             for r in recovered:
                 self._io.put(("verify", r))
         self._promote: list[bytes] = []  # keys hit on the CPU tier, promoted by the maintenance thread
+        self._inflight = InflightPulls()  # chunks being pulled from peers for this node's readers (under _lock)
+        self._peers = DataClient()  # this node's connections to peers' DataServers, for pull_through
+        self._peer_table = None  # the directory's node table, read at most every node_refresh_s (pull_through)
+        self._peer_table_at = -1e9
         self._served: Counter[str] = Counter()  # bytes served, by requesting node id
         self._group_hits: Counter[bytes] = Counter()  # chunk hits by prompt group (first-chunk hash)
         self.data_server = None
@@ -255,6 +265,133 @@ class KVNode:
         with self._lock:
             self.tier.unpin(slots)
 
+    # -- pull-through: one transfer per chunk for all the readers of this node -----------------------------------
+    def pull_through(self, request: bytes) -> bytes:
+        req = unpack_pull_through(request)
+        deadline = time.monotonic() + req.deadline_ms / 1000
+        with self._lock:
+            mine, theirs = self._inflight.claim(req.keys, self.cascade.holds)
+        pulled = 0
+        try:
+            if mine:
+                pulled = self._pull_from_peer(req, mine, deadline)
+        finally:
+            with self._lock:
+                events = self._inflight.release(mine)
+                self.stats_counts["pull_through_calls"] += 1
+                self.stats_counts["pull_through_pulled_chunks"] += pulled
+                self.stats_counts["pull_through_waited_chunks"] += len(theirs)
+            for ev in events:
+                ev.set()
+        for ev in theirs.values():  # another reader's transfer of these chunks; the tier says how it went
+            if not ev.wait(max(0.0, deadline - time.monotonic())):
+                break
+        return self.pin(pack_keys(req.keys, self.node_id))
+
+    def _pull_from_peer(self, req, keys: list[bytes], deadline: float) -> int:
+        """Bring the leading run of `keys` from the holder into this node's tiers and register it; returns how
+        many chunks landed. Failures end the run early and are counted, never raised."""
+        info = self._peer_info(req.holder)
+        if info is None or info.node_id == self.node_id:
+            self._count("pull_through_holder_unknown")
+            return 0
+        with self._lock:
+            direct = self.cascade.top is self.tier and req.nbytes <= self.tier.slot_bytes
+        if req.transport == "tcp" and info.data_addr and direct:
+            return self._pull_tcp_into_slab(req, keys, info.data_addr, deadline)
+        try:  # through Ray (or above a GPU tier): into a buffer, then the store path checks and places it
+            if req.transport == "tcp" and info.data_addr:
+                buf = np.empty(len(keys) * req.nbytes, dtype=np.uint8)
+                sums: list[int] = []
+                k, err = self._peers.pull(info.data_addr, keys, req.nbytes,
+                                          lambda j: [buf[j * req.nbytes:(j + 1) * req.nbytes]], deadline,
+                                          self.node_id, sums)
+                rows = list(zip([req.nbytes] * k, sums))
+                if isinstance(err, ChecksumError):
+                    self._report_to_holder(req.holder, keys[k:k + 1])
+            else:
+                import ray
+
+                from kvmesh.mesh import NAMESPACE
+
+                if not ray.is_initialized():  # a KVNode outside Ray (tests): no Ray path; never start a Ray here
+                    raise ConnectionError("not inside a Ray cluster")
+                actor = ray.get_actor(info.actor_name, namespace=NAMESPACE)
+                header, buf = ray.get(actor.pull.remote(pack_keys(keys, self.node_id)),
+                                      timeout=max(0.0, deadline - time.monotonic()))
+                rows = unpack_chunk_header(header)
+                err = None
+        except Exception as e:  # Ray errors, a vanished actor, a timeout: a shorter read
+            self._count(f"pull_through_error_{type(e).__name__}")
+            return 0
+        if err is not None:
+            self._count(f"pull_through_error_{type(err).__name__}")
+        n = 0
+        while n < len(rows) and rows[n][0] == req.nbytes and (n + 1) * req.nbytes <= buf.size:
+            n += 1
+        if not n:
+            return 0
+        items = [StoreItem(req.group, key, req.nbytes, c) for key, (_, c) in zip(keys, rows[:n])]
+        return self.store(pack_store(items), buf[: n * req.nbytes])
+
+    def _pull_tcp_into_slab(self, req, keys: list[bytes], address: str, deadline: float) -> int:
+        """Receive straight into reserved slab slots (the socket writes the shared memory; the checksum is
+        checked as the bytes arrive), then make them readable and register them."""
+        tickets = []
+        protect = frozenset(req.keys)
+        with self._lock:
+            for key in keys:
+                t = self.cascade.prepare(key, req.group, req.nbytes, protect)
+                if t is None:  # no unpinned slot to evict, or a store of it just began
+                    break
+                tickets.append(t)
+        sums: list[int] = []
+        k = 0
+        try:
+            if tickets:
+                k, err = self._peers.pull(
+                    address, keys[:len(tickets)], req.nbytes,
+                    lambda j: [np.frombuffer(self.tier.buffer(tickets[j].slot), dtype=np.uint8)[: req.nbytes]],
+                    deadline, self.node_id, sums)
+                if err is not None:
+                    self._count(f"pull_through_error_{type(err).__name__}")
+                    if isinstance(err, ChecksumError):  # the holder's copy is bad: it re-verifies and drops it
+                        self._report_to_holder(req.holder, keys[k:k + 1])
+        finally:
+            with self._lock:
+                for j, t in enumerate(tickets):
+                    if j < k:
+                        self.cascade.complete(t, sums[j])
+                    else:
+                        self.cascade.abort(t)
+                self.stats_counts["stored_chunks"] += k
+        self._sync_directory()
+        return k
+
+    def _report_to_holder(self, holder: str, keys: list[bytes]) -> None:
+        try:
+            import ray
+
+            from kvmesh.mesh import NAMESPACE, actor_name
+
+            if ray.is_initialized():
+                ray.get_actor(actor_name(holder), namespace=NAMESPACE).report_corrupt.remote(pack_keys(keys))
+        except Exception as e:  # the holder is gone: nothing to tell
+            log.debug("could not report a corrupt chunk to %s: %s", holder[:8], e)
+
+    def _peer_info(self, node_id: str) -> NodeInfo | None:
+        """The live holder's record, from a node table at most node_refresh_s old (read again if it is older and
+        does not name the holder)."""
+        table = self._peer_table
+        if table is not None and (info := table.get(node_id)) is not None \
+                and time.monotonic() - self._peer_table_at <= self.config.node_refresh_s:
+            return info
+        try:
+            self._peer_table, self._peer_table_at = self.directory.node_table().by_node(), time.monotonic()
+        except redis.RedisError:
+            return None
+        return self._peer_table.get(node_id)
+
     # -- stores --------------------------------------------------------------------------------------------------
     def store(self, request: bytes, data) -> int:
         items = unpack_store(request)
@@ -387,7 +524,10 @@ class KVNode:
         now = time.monotonic()
         for node_id, inc in (table.dead_incarnations or {}).items():
             first = self._dead_since.setdefault(inc, now)
-            if now - first >= self.config.lease_s:  # lapsed a whole lease ago: not just a late heartbeat
+            # A short grace for a heartbeat that is merely late, so that the purge lands within 2 lease periods of
+            # the node's death (lapse <= 1 lease, first seen <= 1 heartbeat later, then this). Purging a node that
+            # was alive after all is safe: its next heartbeat finds its row gone, and it re-joins and re-registers.
+            if now - first >= self.config.lease_s / 4:
                 self._purge(node_id, inc)
         self._dead_since = {i: t for i, t in self._dead_since.items()
                             if i in (table.dead_incarnations or {}).values()}
@@ -533,9 +673,24 @@ class KVNode:
             d["time"] = time.time()
         return d
 
-    def check_integrity(self, verify_checksums: bool = True) -> None:
+    def check_integrity(self, verify_checksums: bool = True, directory: bool = False) -> None:
+        """The tiers' invariants (and every chunk's checksum); with `directory`, also that the directory lists
+        exactly the chunks held, each at its best tier, under this incarnation: nothing held is unfindable and
+        nothing findable is missing. Call it while no stores or reads are in flight."""
+        if directory:
+            self._sync_directory()
         with self._lock:
             self.cascade.check_integrity(verify_checksums=verify_checksums)
+            held = {(g, k[:FIELD_BYTES]): t for g, k, t in self.cascade.ready_chunks()}
+        if directory and not self.fenced:
+            assert not self._dirty, "directory updates are still pending"
+            listed = self.directory.entries_of(self.lease.incarnation)
+            unfindable = held.keys() - listed.keys()
+            phantom = listed.keys() - held.keys()
+            assert not unfindable, f"{len(unfindable)} chunk(s) held but not in the directory"
+            assert not phantom, f"{len(phantom)} directory entries for chunks not held"
+            moved = [c for c, t in held.items() if listed[c] != t]
+            assert not moved, f"{len(moved)} directory entries name the wrong tier"
 
     def shutdown(self) -> None:
         if self._stop.is_set():
@@ -544,6 +699,7 @@ class KVNode:
         self._thread.join(timeout=5)
         if self.data_server:
             self.data_server.shutdown()
+        self._peers.close()
         try:
             with self._lock:
                 for group, key, _tier in self.cascade.ready_chunks():

@@ -139,10 +139,11 @@ class DataClient:
         return sock
 
     def pull(self, address: str, keys: list[bytes], expected_nbytes: int, dest: Callable[[int], list],
-             deadline: float, requester: str = "") -> tuple[int, Exception | None]:
+             deadline: float, requester: str = "", checksums: list | None = None) -> tuple[int, Exception | None]:
         """Pull `keys` from the peer at `address`; chunk j's bytes go into the writable buffers `dest(j)`, in
         order (they add up to `expected_nbytes`). Returns how many leading chunks arrived intact, and the error
-        that ended the pull early (None when the peer sent every chunk it holds)."""
+        that ended the pull early (None when the peer sent every chunk it holds). `checksums`, if given, gets
+        the verified checksum of each intact chunk appended."""
         done = 0
         try:
             sock = self._connect(address, deadline)
@@ -168,6 +169,8 @@ class DataClient:
                     h.update(view)
                 if h.intdigest() != want:
                     raise ChecksumError(f"chunk {j} of a pull from {address} fails its checksum")
+                if checksums is not None:
+                    checksums.append(want)
                 done += 1
         except (OSError, WireError) as e:  # socket.timeout is an OSError
             sock.close()

@@ -11,6 +11,8 @@ travel beside the header as one contiguous uint8 buffer, chunks back to back in 
     PullRequest   [1, [key, ...], requester node id]
     PullReply     [1, [[nbytes, checksum], ...]]  + buffer              leading chunks found and verified
     StoreRequest  [1, [[group, key, nbytes, checksum], ...]] + buffer
+    PullThrough   [1, [key, ...], group, nbytes, holder node id, transport, deadline_ms]
+                  a reader asks its own node to bring the chunks from the holder (replied with a PinReply)
 """
 
 from __future__ import annotations
@@ -178,3 +180,42 @@ def unpack_store(data) -> list[StoreItem]:
             raise WireError("StoreRequest: nbytes must be a positive int and checksum a non-negative int")
         out.append(StoreItem(g, k, n, c))
     return out
+
+
+MAX_DEADLINE_MS = 600_000
+PEER_TRANSPORTS = ("tcp", "ray")
+
+
+@dataclass(frozen=True, slots=True)
+class PullThrough:
+    """A reader's request to its own KVNode: pin `keys` here, pulling from `holder` those not here yet. The node
+    finds the holder's address in the directory itself: a reader names nodes, never addresses to connect to."""
+
+    keys: list[bytes]
+    group: bytes  # the directory group the chunks are registered in once they land
+    nbytes: int  # bytes of each chunk (the reader's spec): a holder's chunk of another size is refused
+    holder: str  # node id of the holder to pull from
+    transport: str  # "tcp": the holder's DataServer; "ray": its actor, through Ray's object store
+    deadline_ms: int  # how long the node may spend on it
+
+
+def pack_pull_through(p: PullThrough) -> bytes:
+    return msgpack.packb([VERSION, list(p.keys), p.group, p.nbytes, p.holder, p.transport, p.deadline_ms],
+                         use_bin_type=True)
+
+
+def unpack_pull_through(data) -> PullThrough:
+    what = "PullThrough"
+    o = _unpack(data, what)
+    keys = _keys(_field(o, 1, list, what), what)
+    group = _field(o, 2, bytes, what)
+    if len(group) != HASH_BYTES:
+        raise WireError(f"{what}: group must be {HASH_BYTES} bytes")
+    nbytes = _field(o, 3, int, what)
+    holder, transport = _field(o, 4, str, what), _field(o, 5, str, what)
+    deadline_ms = _field(o, 6, int, what)
+    if nbytes == 0 or not 0 < len(holder) <= 128 or transport not in PEER_TRANSPORTS \
+            or deadline_ms > MAX_DEADLINE_MS:
+        raise WireError(f"{what}: nbytes must be positive, holder a node id, transport one of {PEER_TRANSPORTS} "
+                        f"and deadline_ms at most {MAX_DEADLINE_MS}")
+    return PullThrough(keys, group, nbytes, holder, transport, deadline_ms)

@@ -188,6 +188,9 @@ def test_bad_inputs_raise_typed_errors(mesh):
         other.close()
         with pytest.raises(ValueError, match="deadline_s"):
             c.fetch(c.lookup(toks), deadline_s=-1)
+        for device in ("bogus", None, "meta"):  # (and "cuda" on a machine without CUDA)
+            with pytest.raises(ValueError, match="device"):
+                c.fetch(c.lookup(toks), device=device)
         with pytest.raises(TypeError, match="cache_salt"):
             c.lookup(toks, cache_salt=12)
     finally:

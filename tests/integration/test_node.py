@@ -263,7 +263,7 @@ def test_the_janitor_purges_a_lapsed_incarnation_and_a_restart_purges_its_predec
     ghost = d.join(NodeInfo("ghost" * 4, "kvnode-ghost", "/dev/shm/none", 1024, 64), 1000)  # never heartbeats
     d.register(ghost, 1, G, [k(50), k(51)])
     r = redis.Redis.from_url(private_redis.url)
-    # the lease lapses after 1 s; the janitor purges a lease period (2 s) later
+    # the lease lapses after 1 s; the janitor purges a quarter lease period (0.5 s) after it sees that
     wait_until(lambda: r.hget(d.group_key(G), k(50)[:6]) is None, 8)
     assert "ghost" * 4 not in r.hgetall("tn:{n}:inc").keys().__str__()
     assert node.stats()["purged_incarnations"] >= 1
@@ -277,3 +277,77 @@ def test_the_janitor_purges_a_lapsed_incarnation_and_a_restart_purges_its_predec
     finally:
         again.shutdown()
     d.close()
+
+
+def test_concurrent_pull_throughs_of_the_same_chunks_make_one_transfer(node, tmp_path):
+    """Readers on node B all want chunks that only A holds, at the same moment: B pulls each chunk from A once,
+    the others wait for that transfer, and every reader gets the bytes from B's slab."""
+    import threading
+
+    from kvmesh.wire import PullThrough, pack_pull_through
+
+    (tmp_path / "b").mkdir()
+    b = KVNode(node.config.replace(shm_dir=str(tmp_path / "b")), "node-b" * 4, "kvnode-b")
+    try:
+        node.store(*chunks(1, 2, 3))
+        serve = node.data_server._pin
+
+        def slow_serve(keys, requester=""):  # a slow link: the readers' requests overlap the transfer
+            time.sleep(0.3)
+            return serve(keys, requester)
+
+        node.data_server._pin = slow_serve
+        request = pack_pull_through(PullThrough([k(1), k(2), k(3)], G, SLOT, node.node_id, "tcp", 5000))
+        replies = []
+
+        def reader():
+            pin_id, rows, path = unpack_pin_reply(b.pull_through(request))
+            replies.append((pin_id, rows, path))
+
+        threads = [threading.Thread(target=reader) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert node.stats()["pulls"] == 1 and node.stats()["pulled_bytes"] == 3 * SLOT  # one transfer
+        assert node.stats()["served_bytes"] == {b.node_id: 3 * SLOT}
+        st = b.stats()
+        assert st["pull_through_calls"] == 8 and st["pull_through_pulled_chunks"] == 3
+        assert st["pull_through_waited_chunks"] == 7 * 3
+        for pin_id, rows, path in replies:  # every reader got all three, pinned in B's slab, bit-exact
+            assert path == b.info.slab_path and len(rows) == 3
+            for i, row in zip((1, 2, 3), rows):
+                assert (np.frombuffer(b.tier.chunk_view(row.slot), dtype=np.uint8) == i).all()
+            b.unpin(pin_id)
+        # B now holds them too, registered: readers of B read them locally from now on
+        rows = lookup(b, [1, 2, 3])
+        assert len(rows) == 3 and all({h.node_id for h in r} == {node.node_id, b.node_id} for r in rows)
+        b.pull_through(request)
+        assert node.stats()["pulls"] == 1 and b.stats()["pull_through_pulled_chunks"] == 3
+        b.check_integrity()
+    finally:
+        b.shutdown()
+
+
+def test_a_pull_through_that_fails_midway_is_shorter_and_frees_its_slots(node, tmp_path):
+    from kvmesh.wire import PullThrough, pack_pull_through
+
+    (tmp_path / "b").mkdir()
+    b = KVNode(node.config.replace(shm_dir=str(tmp_path / "b")), "node-b" * 4, "kvnode-b")
+    try:
+        node.store(*chunks(1, 2, 3))
+        node.tier.buffer(node.tier.slot_of(k(2)))[5] ^= 0x10  # A's copy of 2 rots: the transfer stops there
+        _, rows, _ = unpack_pin_reply(b.pull_through(pack_pull_through(
+            PullThrough([k(1), k(2), k(3)], G, SLOT, node.node_id, "tcp", 5000))))
+        assert len(rows) == 1 and b.stats()["pull_through_pulled_chunks"] == 1
+        assert b.tier.slot_of(k(2)) is None and len(b.tier) == 1  # nothing half-written stays reserved
+        # the unknown holder, and the Ray path outside Ray, end as shorter reads, not errors
+        _, rows, _ = unpack_pin_reply(b.pull_through(pack_pull_through(
+            PullThrough([k(1), k(7)], G, SLOT, "no-such-node", "tcp", 1000))))
+        assert len(rows) == 1 and b.stats()["pull_through_holder_unknown"] == 1
+        _, rows, _ = unpack_pin_reply(b.pull_through(pack_pull_through(
+            PullThrough([k(3)], G, SLOT, node.node_id, "ray", 1000))))
+        assert rows == [] and b.stats()["pull_through_error_ConnectionError"] == 1
+        b.check_integrity()
+    finally:
+        b.shutdown()

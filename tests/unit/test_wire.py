@@ -44,3 +44,17 @@ def test_malformed_store_requests_raise_wire_error(rows):
 
 def test_wire_error_is_a_value_error():
     assert issubclass(WireError, ValueError)
+
+
+def test_pull_through_round_trips_and_rejects_what_a_node_must_not_act_on():
+    from kvmesh.wire import PullThrough, pack_pull_through, unpack_pull_through
+
+    p = PullThrough([K, K], K, 4096, "node-b", "tcp", 2500)
+    assert unpack_pull_through(pack_pull_through(p)) == p
+    for bad in (PullThrough([K], b"short", 4096, "n", "tcp", 1), PullThrough([K], K, 0, "n", "tcp", 1),
+                PullThrough([K], K, 1, "", "tcp", 1), PullThrough([K], K, 1, "n", "carrier-pigeon", 1),
+                PullThrough([K], K, 1, "n", "tcp", 10**9), PullThrough([b"k"], K, 1, "n", "tcp", 1)):
+        with pytest.raises(WireError):
+            unpack_pull_through(pack_pull_through(bad))
+    with pytest.raises(WireError):
+        unpack_pull_through(msgpack.packb([1, [K], K, 1, "n", "tcp"]))  # a field missing

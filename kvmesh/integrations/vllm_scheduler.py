@@ -32,6 +32,7 @@ from kvmesh.integrations.vllm_options import ConnectorOptions, lora_identity, re
 from kvmesh.tiers import TIER_DISK
 
 log = logging.getLogger("kvmesh.vllm")
+DIRECTORY_RETRY_S = 5.0  # after a lookup found the directory away, requests go without kvmesh this long
 
 
 @dataclass
@@ -122,12 +123,14 @@ class SchedulerSide:
         # node -> monotonic time until which its chunks are not offered: a worker could not reach it, and the
         # directory may list a dead node until its lease ends (vLLM would otherwise retry the same load)
         self._unreachable: dict[str, float] = {}
+        self._directory_down_until = 0.0  # after a failed lookup, new requests skip kvmesh until then
 
     def client(self, lora_id: str | None):
         c = self._clients.get(lora_id)
         if c is None:
             c = self._clients[lora_id] = self._connect(replace(self.spec, lora_id=lora_id))
             c.counts = self.counts
+            c.cost = self._clients[None].cost  # an adapter barely changes the prefill and not the links
         return c
 
     # -- lookup ---------------------------------------------------------------------------------------------------
@@ -164,7 +167,12 @@ class SchedulerSide:
         first = num_computed_tokens // c  # a chunk vLLM holds only in part is loaded whole, its rest written
         if first >= last:
             return 0, False
+        now = time.monotonic()
+        if now < self._directory_down_until:  # no lookup timeout per request while the directory is away
+            self.counts["vllm_skip_directory_down"] += 1
+            return 0, False
         client = self.client(st.lora_id)
+        errors = self.counts["directory_errors"]
         if first == 0:  # also detects another spec of this model holding the prefix ("spec_mismatch")
             match = client.lookup(st.tokens, st.salt, max_chunks=last, allow_split=False)
             plan = match.plan
@@ -172,6 +180,8 @@ class SchedulerSide:
             hashes = self._hashes(st)
             match = client.lookup_keys(hashes[0], hashes[first:last])
             plan = client.plan(match, n - first * c, allow_split=False) if match.num_chunks else None
+        if self.counts["directory_errors"] > errors:
+            self._directory_down_until = time.monotonic() + DIRECTORY_RETRY_S
         k = self._reachable(match)
         if k < match.num_chunks:
             self.counts["vllm_cut_unreachable_chunks"] += match.num_chunks - k

@@ -17,15 +17,16 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def vllm_mesh(redis_server):
-    """A real 3-node Ray cluster (the driver on the head) with one KVNode per node, for one test module."""
+def vllm_mesh(private_redis):
+    """A real 3-node Ray cluster (the driver on the head) with one KVNode per node and the module's own
+    redis-server (a test stops it), for one test module."""
     import kvmesh
     from kvmesh.local import LocalRayCluster
 
     cluster = LocalRayCluster(3, num_cpus=1, object_store_bytes=100 * MiB)
     # a chunk of the tiny test model is 256 KiB in bf16, 512 KiB in fp32. A long lease keeps a killed node
     # listed for a while, so that the kill test meets the failure in the worker's fetch rather than the lookup
-    mesh = kvmesh.start(redis_server.url, cpu_bytes=32 * MiB, slot_bytes=512 << 10, lease_s=20.0, heartbeat_s=0.5,
+    mesh = kvmesh.start(private_redis.url, cpu_bytes=32 * MiB, slot_bytes=512 << 10, lease_s=20.0, heartbeat_s=0.5,
                         node_refresh_s=0.2, fetch_timeout_s=5.0, key_prefix="vllm-e2e")
     yield cluster, mesh
     kvmesh.stop()

@@ -58,13 +58,15 @@ class Engine:
         self.llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=MAX_LEN,
                        enforce_eager=True, disable_log_stats=False, kv_cache_memory_bytes=64 << 20, seed=0, **kw)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 8, recompute: bool = False) -> list[dict]:
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8, recompute: bool = False,
+                 cache_salt: str | None = None) -> list[dict]:
         """Greedy outputs; `recompute` bypasses every prefix cache (vLLM's own and kvmesh)."""
         from vllm import SamplingParams
 
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
                             skip_reading_prefix_cache=True if recompute else None)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        salt = {"cache_salt": cache_salt} if cache_salt else {}
+        outs = self.llm.generate([{"prompt_token_ids": p, **salt} for p in prompts], sp, use_tqdm=False)
         return [{"ids": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outs]
 
     def prompt_tokens_by_source(self) -> dict[str, int]:

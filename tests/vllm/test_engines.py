@@ -3,15 +3,17 @@
 redis-server directory).
 
     A (node 1, kvmesh, save_copy="background")   serves prompts first; its chunks land in node 1's CPU tier
-    B (node 2, kvmesh, defaults)                 serves prompts sharing 1024-token prefixes with A's
+    B (node 2, kvmesh, cost model off)           serves prompts sharing 1024-token prefixes with A's
     R (node 0, no kvmesh)                        the reference: the same prompts recomputed in full
     V (node 2, kvmesh, other weights)            another revision of the model: must get no hits
 
 Hits are vLLM's own `vllm:prompt_tokens_by_source{source="external_kv_transfer"}` and the connector's counters;
-outputs are greedy token ids of a random-weight Llama (prompt-dependent, initializer_range 0.1).
+outputs are greedy token ids of a random-weight Llama (prompt-dependent, initializer_range 0.1). The tests share
+the engines and run in file order: the kill test removes node 1, the directory test restarts Redis.
 """
 
 import os
+import socket
 import time
 
 import pytest
@@ -34,7 +36,9 @@ def engines(vllm_mesh, tmp_path_factory):
     head, n1, n2 = cluster.node_ids()
     t0 = time.monotonic()
     a = start_engine(n1, work, model, kvmesh={"save_copy": "background"})
-    b = start_engine(n2, work, model, kvmesh={})
+    # the tiny model prefills 1k tokens about as fast as this busy box pulls them from a peer: B's cost model would
+    # often (rightly) recompute, which is not what these tests look at
+    b = start_engine(n2, work, model, kvmesh={"cost_model": False})
     r = start_engine(head, work, model)
     assert ray.get([e.node_id.remote() for e in (a, b, r)], timeout=600) == [n1, n2, head]
     print(f"\n3 engines started in {time.monotonic() - t0:.1f} s")
@@ -95,6 +99,9 @@ def test_concurrent_requests_needing_the_same_chunks_make_one_transfer(engines):
     prefix = tokens(400, PREFIX)
     gen(a, [prefix + tokens(401, SUFFIX)])
     stored(engines, prefix + tokens(401, SUFFIX))
+    # A copies its saves out after each step (save_copy="background"): vLLM kept the blocks of every finished
+    # request that saved (test 1's two, and this one once its copies end) until A's worker reported them
+    assert counts(a)["worker"].get("vllm_kept_blocks_released", 0) >= 2
     qs = [prefix + tokens(402, SUFFIX), prefix + tokens(403, SUFFIX)]
     before = counts(b)["worker"]
     out = gen(b, qs)  # one batch: both are admitted, and both their loads planned, in the same step
@@ -127,6 +134,25 @@ def test_an_engine_of_another_model_revision_gets_no_hits(engines, vllm_mesh):
         assert ids(out) != ids(gen(r, [prompt], recompute=True))  # it is another model indeed
     finally:
         ray.kill(v)
+
+
+def test_tenants_with_different_cache_salts_never_share(engines):
+    a, b, r = engines["A"], engines["B"], engines["R"]
+    prefix = tokens(450, PREFIX)
+    pa = prefix + tokens(451, SUFFIX)
+    gen(a, [pa], cache_salt="tenant-1")
+    wait_until(lambda: engines["client"].lookup(pa, cache_salt="tenant-1").num_chunks >= 4, 30)
+    assert engines["client"].lookup(pa).num_chunks == 0  # salted chunks are invisible without the salt
+    other, same = prefix + tokens(452, SUFFIX), prefix + tokens(453, SUFFIX)
+    assert gen(b, [other], cache_salt="tenant-2")[0]["cached"] == 0
+    assert gen(b, [other])[0]["cached"] == 0
+    before = counts(b)["scheduler"]
+    out = gen(b, [same], cache_salt="tenant-1")
+    assert out[0]["cached"] == PREFIX
+    assert ids(out) == ids(gen(r, [same], recompute=True))
+    # B's worker timed the two full prefills above and reported them: its scheduler's cost model has an estimate
+    plans = delta(counts(b)["scheduler"], before)
+    assert plans.get("plan_load", 0) + plans.get("plan_recompute", 0) == 1, plans
 
 
 def corrupt_chunk(engines, mesh, node_id: str, prompt: list[int], index: int) -> None:
@@ -166,15 +192,29 @@ def test_a_chunk_that_fails_to_load_is_recomputed_by_vllm_with_identical_output(
     assert worker.get("fetch_checksum_failures", 0) + worker.get("pull_failure_ChecksumError", 0) >= 1
 
 
+def reachable(addr: str) -> bool:
+    host, port = addr.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def test_killing_the_node_that_holds_the_chunks_makes_b_recompute_with_identical_output(engines, vllm_mesh):
-    # last in the module: removes node 1 (A's engine, its KVNode and its CPU tier)
+    # removes node 1 (A's engine, its KVNode and its CPU tier): only B and R are left after it
     cluster, _ = vllm_mesh
     a, b, r = engines["A"], engines["B"], engines["R"]
     prefix = tokens(600, PREFIX)
     pa = prefix + tokens(601, SUFFIX)
     gen(a, [pa])
     stored(engines, pa)
-    cluster.remove_node(cluster.nodes[1])
+    node = cluster.nodes[1]
+    data_addr = next(n.data_addr for n in vllm_mesh[1].nodes if n.node_id == node.node_id)
+    cluster.remove_node(node)
+    # the KVNode's process outlives its raylet for a moment (and would still serve its chunks): wait until it is
+    # gone. Its lease (20 s) keeps it listed in the directory meanwhile, unless Ray reports it dead first
+    wait_until(lambda: not reachable(data_addr), 30)
     before = counts(b)
     q = prefix + tokens(602, SUFFIX)
     t0 = time.monotonic()
@@ -200,3 +240,40 @@ def test_killing_the_node_that_holds_the_chunks_makes_b_recompute_with_identical
     out2 = gen(b, [q2])
     assert ids(out2) == ids(gen(r, [q2], recompute=True))
     assert delta(ray.get(b.prompt_tokens_by_source.remote()), before_src).get("external_kv_transfer", 0) == PREFIX
+
+
+def test_with_the_directory_down_b_recomputes_without_waiting_on_it(engines, private_redis):
+    # last in the module (after the kill test): stale pooled Redis connections may fail once each after the
+    # restart, which would turn a later test's lookup into a miss
+    b, r = engines["B"], engines["R"]
+    qs = [tokens(900 + i, PREFIX) + tokens(910 + i, SUFFIX) for i in range(3)]
+    before = counts(b)["scheduler"]
+    private_redis.kill()
+    try:
+        t0 = time.monotonic()
+        out = gen(b, qs)
+        took = time.monotonic() - t0
+    finally:
+        private_redis.restart()  # empty: the KVNodes re-register what they hold
+    sched = delta(counts(b)["scheduler"], before)
+    print(f"\nB with the directory down: {took:.2f} s, {sched}")
+    assert ids(out) == ids(gen(r, qs, recompute=True))
+    assert sched.get("directory_errors", 0) >= 1
+    assert sched.get("vllm_skip_directory_down", 0) == 2  # one lookup timed out; the next requests did not try
+    assert took < 10
+    # and kvmesh serves again once the directory is back (the first use of each pooled Redis connection that
+    # predates the restart fails, and pauses B's lookups again: allow for a few tries)
+    p = tokens(920, PREFIX)
+    gen(b, [p + tokens(921, SUFFIX)])  # B's own chunks, on its own node
+    stored(engines, p + tokens(921, SUFFIX))
+    tries = []
+
+    def b_loads_from_kvmesh() -> bool:
+        assert ray.get(b.reset_prefix_cache.remote())  # so that only kvmesh can hold the prefix
+        before = ray.get(b.prompt_tokens_by_source.remote()).get("external_kv_transfer", 0)
+        out = gen(b, [p + tokens(930 + len(tries), SUFFIX)])
+        tries.append(ray.get(b.prompt_tokens_by_source.remote()).get("external_kv_transfer", 0) - before)
+        return tries[-1] == PREFIX and out[0]["cached"] == PREFIX
+
+    wait_until(b_loads_from_kvmesh, 60, interval_s=1.0)
+    print(f"external tokens per try after the restart: {tries}")

@@ -1,7 +1,8 @@
 """A vLLM engine and a transformers worker of the same model share chunks through kvmesh, both ways: vLLM's CPU
 block layout and transformers' K/V meet in kvmesh's engine-neutral chunk layout.
 
-    F (node 1): vLLM, fp32 compute and KV, kvmesh with load_mode="sync" (layer-by-layer loads in the step)
+    F (node 1): vLLM, fp32 compute and KV, kvmesh with load_mode="sync" (layer-by-layer loads in the step), its
+                cost model off (for this tiny model a peer fetch may cost about as much as the prefill)
     the test process (head node): `kvmesh.integrations.hf` on the same weights, fp32 (and bf16 for the dtype test)
 
 fp32 on both sides: the two implementations then compute the same greedy tokens, so a chunk written by one and
@@ -30,7 +31,7 @@ def setup(vllm_mesh, tmp_path_factory):
     cluster, _ = vllm_mesh
     work = str(tmp_path_factory.mktemp("vllm-hf"))
     model_dir = make_model(os.path.join(work, "tiny-llama"))
-    f = start_engine(cluster.node_ids()[1], work, model_dir, dtype="float32", kvmesh={"load_mode": "sync"})
+    f = start_engine(cluster.node_ids()[1], work, model_dir, dtype="float32", kvmesh={"load_mode": "sync", "cost_model": False})
     hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     spec = spec_for_model(hf, model_id=local_model_id(model_dir), chunk_tokens=256)
     client = kvmesh.connect(spec)  # the test process is on the head node

@@ -116,6 +116,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         kv_role = self._kv_transfer_config.kv_role
         connect = _connector_for(self.options)
         background = background_save_copy(self.options, vllm_config.device_config.device_type)
+        self._idle_step = False  # the current step ran no forward pass (worker side)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -188,6 +189,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._guard("preempt", None, self._worker.begin_step, kv_connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
+        # vLLM calls this in every step; a step without a forward pass has no attention metadata
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
         meta = self._connector_metadata
         if isinstance(meta, StepMeta) and meta.loads:
             self._worker.start_loads(meta)  # fails individual loads itself, never raises
@@ -205,7 +208,8 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._guard("save", None, self._worker.end_step, meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.finished(finished_req_ids)
+        idle, self._idle_step = self._idle_step, False
+        return self._worker.finished(finished_req_ids, idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()

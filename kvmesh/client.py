@@ -98,6 +98,7 @@ class FetchStats:
     local_chunks: int
     peer_chunks: int
     seconds: float
+    error: str = ""  # why it stopped short ("checksum", "deadline", "peer_error"), "" if it did not
 
 
 class KVMeshClient:
@@ -148,10 +149,18 @@ class KVMeshClient:
         """Chunk hashes of the full chunks of `tokens` under this client's spec and salt."""
         return chunk_hashes(self.spec.namespace, as_tokens(tokens), self.spec.chunk_tokens, self._salt(cache_salt))
 
-    def lookup(self, tokens, cache_salt: str | bytes | None = None) -> Match:
+    def lookup(self, tokens, cache_salt: str | bytes | None = None, *, max_chunks: int | None = None,
+               allow_split: bool = True) -> Match:
+        """`max_chunks` caps the chunks looked up (an engine must compute at least the prompt's last token);
+        the plan still prices the whole prompt. `allow_split=False` plans only load-or-recompute, for engines
+        that cannot compute a front part while the rest loads."""
         toks = as_tokens(tokens)
+        if max_chunks is not None and (isinstance(max_chunks, bool) or not isinstance(max_chunks, int)
+                                       or max_chunks < 0):
+            raise ValueError(f"max_chunks must be a non-negative int, got {max_chunks!r}")
         salt = self._salt(cache_salt)
-        hashes = chunk_hashes(self.spec.namespace, toks, self.spec.chunk_tokens, salt)
+        limit = len(toks) if max_chunks is None else min(len(toks), max_chunks * self.spec.chunk_tokens)
+        hashes = chunk_hashes(self.spec.namespace, toks[:limit], self.spec.chunk_tokens, salt)
         self.counts["lookups"] += 1
         holders, why = self._live_holders(hashes, prefix_only=True)
         chunks = tuple(ChunkMatch(h, hs) for h, hs in zip(hashes, holders))
@@ -161,7 +170,7 @@ class KVMeshClient:
             self.counts[f"miss_{why}"] += 1
         match = Match(self.spec.namespace, self.spec.chunk_tokens, chunks, why=why or "",
                       group=hashes[0] if hashes else b"")
-        match = replace(match, plan=self.plan(match, len(toks)))
+        match = replace(match, plan=self.plan(match, len(toks), allow_split=allow_split))
         if chunks and match.plan.end == 0:
             self.counts["miss_cost_model"] += 1
         elif chunks:
@@ -203,10 +212,11 @@ class KVMeshClient:
         where = "local" if holder.node_id == self.node_id else "peer"
         return f"{where}-disk" if holder.tier == TIER_DISK else where
 
-    def plan(self, match: "Match", prompt_tokens: int) -> LoadPlan:
+    def plan(self, match: "Match", prompt_tokens: int, allow_split: bool = True) -> LoadPlan:
         """The cost model's plan for using `match` in a prompt of `prompt_tokens` tokens."""
         sources = [self._source(ch.holders[0]) for ch in match.chunks]
-        plan = self.cost.plan(prompt_tokens, self.spec.chunk_tokens, self.spec.chunk_bytes, sources)
+        plan = self.cost.plan(prompt_tokens, self.spec.chunk_tokens, self.spec.chunk_bytes, sources,
+                              allow_split=allow_split)
         self.counts[f"plan_{plan.reason.replace(' ', '_')}"] += 1
         return plan
 
@@ -281,7 +291,8 @@ class KVMeshClient:
         self._last_error = None
         local, peer = self._fill(match, out, deadline) if n else (0, 0)
         got = local + peer
-        self.last_fetch = FetchStats(local, peer, time.monotonic() - t0)
+        self.last_fetch = FetchStats(local, peer, time.monotonic() - t0,
+                                     (self._last_error or "peer_error") if got < n else "")
         self.counts["fetched_chunks_local"] += local
         self.counts["fetched_chunks_peer"] += peer
         self.counts["fetched_bytes_local"] += local * self.spec.chunk_bytes

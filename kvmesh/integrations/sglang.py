@@ -58,6 +58,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvmesh.client import connect
 from kvmesh.hashing import HASH_BYTES, root_hash, salt_bytes
+from kvmesh.integrations.identity import local_model_id, model_fingerprint  # noqa: F401 (model_fingerprint: API)
 from kvmesh.spec import KVSpec
 
 log = logging.getLogger("kvmesh.sglang")
@@ -92,20 +93,6 @@ def parse_options(extra: dict | None) -> dict:
     return out
 
 
-def model_fingerprint(path: str) -> str:
-    """BLAKE2b-64 over a local model directory's config and weight files (names, sizes, bytes)."""
-    h = hashlib.blake2b(digest_size=8, person=b"kvmesh.weights")
-    names = sorted(n for n in os.listdir(path)
-                   if n == "config.json" or n.endswith((".safetensors", ".bin", ".pt", ".gguf")))
-    for name in names:
-        full = os.path.join(path, name)
-        h.update(f"{name}|{os.path.getsize(full)}|".encode())
-        with open(full, "rb") as f:
-            while block := f.read(8 << 20):
-                h.update(block)
-    return h.hexdigest()
-
-
 def model_identity(storage_config: HiCacheStorageConfig, options: dict) -> str:
     if "model_id" in options:
         return options["model_id"]
@@ -113,7 +100,7 @@ def model_identity(storage_config: HiCacheStorageConfig, options: dict) -> str:
     if not name:
         raise ValueError("kvmesh SGLang backend: the storage config has no model_name; set extra_config model_id")
     if os.path.isdir(name):
-        return f"{os.path.basename(os.path.normpath(name))}@{model_fingerprint(name)}"
+        return local_model_id(name)
     if "model_revision" not in options:
         raise ValueError(f"kvmesh SGLang backend: {name!r} is not a local directory, so kvmesh cannot fingerprint "
                          f"its weights; set extra_config model_revision (or model_id)")

@@ -1,0 +1,223 @@
+"""vLLM KV connector: `KVMeshConnector`, so vLLM engines on different Ray nodes share prefix KV through kvmesh.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVMeshConnector",
+        "kv_connector_module_path": "kvmesh.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"ray_address": "auto"}}'
+
+vLLM builds two instances per engine (`KVConnectorBase_V1`): a scheduler-side one (what to load and save:
+kvmesh.integrations.vllm_scheduler) and one per worker (moving the bytes: kvmesh.integrations.vllm_worker). With
+`VLLM_ENABLE_V1_MULTIPROCESSING=0` both live in the engine's process. Every hook is guarded: a kvmesh failure is a
+miss or a recompute, counted in `counts` (the client's counters: lookups, hits, miss_<reason>, fetched/stored
+chunks, vllm_* for the connector's own), and never an exception into vLLM.
+
+Loads. `get_num_new_matched_tokens` makes one directory round trip for the longest run of cached chunks after
+vLLM's own prefix cache, cut by the cost model (`cost_model`, fed with the prefill and fetch times the workers
+measure). With `load_mode="async"` (the default) the request waits outside the batch while the worker's loader
+thread fetches and writes its blocks, whatever the order of the worker hooks; with `"sync"` the load runs in the
+step that needs it and layer i's attention waits only for layer i's blocks. Chunks that fail to arrive (a dead
+holder, a deadline, a checksum) are reported through `get_block_ids_with_load_errors` and vLLM recomputes them:
+the connector sets vLLM's `kv_load_failure_policy` to "recompute" (a cache miss must not fail a request).
+
+Saves. The prompt chunks that become fully computed in a step are gathered from their blocks after the step's
+forward pass (one indexed read per layer into a staging tensor) and handed to the local KVNode by the worker's
+saver thread (`store_keys`, asynchronous). The copy into staging is the one thing a save costs the step loop
+(`save_copy="inline"`, the default on the CPU); with `"background"` (the default on GPUs) even that runs after the
+step, and then `request_finished` keeps a finished request's blocks until its copies are done, and
+`handle_preemptions` holds back the reuse of a preempted request's blocks the same way.
+
+Identity. Chunks are keyed by kvmesh's own chained hashes of the prompt's token ids (kvmesh.hashing) under a spec
+derived from the vLLM config (kvmesh.integrations.vllm_options.spec_for_vllm): model name and revision, or a local
+model directory's fingerprint, KV dtype (and the compute dtype when it differs), quantization, config overrides,
+layers, KV heads per TP shard, head dim, TP rank and size, chunk tokens (a multiple of the block size), the
+request's LoRA adapter; the salt is the request's `cache_salt` (behind the engine's `cache_salt` option if set).
+Engines whose specs differ never share a chunk. The chunk layout is engine-neutral, [layers, 2, chunk_tokens,
+kv_heads, head_dim]: kvmesh.paged converts each platform's block layout, so vLLM and a transformers worker of the
+same model and spec share chunks.
+
+Ray. The engine process joins Ray (`ray_address`, default `$RAY_ADDRESS` or "auto") unless it is already connected
+(e.g. an engine inside a Ray actor), and uses the KVNode of `ray_node_id` (default `$KVMESH_RAY_NODE_ID`, else the
+node its Ray connection lands on).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvmesh.integrations.vllm_options import ConnectorOptions, background_save_copy, parse_options, spec_for_vllm
+from kvmesh.integrations.vllm_scheduler import SchedulerSide, StepMeta
+from kvmesh.integrations.vllm_worker import WorkerSide
+
+log = logging.getLogger("kvmesh.vllm")
+_SOURCES = {"host": CacheHitSource.HOST, "p2p": CacheHitSource.P2P, "disk": CacheHitSource.DISK}
+
+
+def _ensure_ray(options: ConnectorOptions) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        address = options.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+        ray.init(address=address, namespace="kvmesh-vllm", logging_level="WARNING", log_to_driver=False)
+
+
+def _connector_for(options: ConnectorOptions):
+    """spec -> a KVMeshClient on this engine's node, with the connector's overrides."""
+    from kvmesh.client import connect
+
+    node_id = options.ray_node_id or os.environ.get("KVMESH_RAY_NODE_ID") or None
+    extra = {"fetch_timeout_s": options.fetch_timeout_s} if options.fetch_timeout_s else {}
+    return lambda spec: connect(spec, options.redis_url, node_id=node_id, **extra)
+
+
+def _cpu_writer(vllm_config, block_size: int, head_dim: int, num_kv_heads: int):
+    """The CPU backend's own cache-write kernel, as kvmesh.paged.learn_codec wants it."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    isa = _get_attn_isa(vllm_config.model_config.dtype, block_size, head_dim, cache_dtype)
+
+    def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor) -> None:
+        n = cache.shape[0]
+        k_cache, v_cache = cache.view(n, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache,
+                                       torch.arange(block_size, 2 * block_size), isa, kv_cache_dtype=cache_dtype)
+
+    return write
+
+
+class KVMeshConnector(KVConnectorBase_V1):
+    """kvmesh as vLLM's external prefix cache (see the module docstring)."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("kvmesh vLLM connector: vLLM gave no KV cache config (vLLM >= 0.32 is required)")
+        self.options = parse_options(self._kv_transfer_config.kv_connector_extra_config)
+        _ensure_ray(self.options)
+        group = kv_cache_config.kv_cache_groups[0] if kv_cache_config.kv_cache_groups else None
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            try:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                tp_rank = get_tensor_model_parallel_rank()
+            except Exception:  # not initialised (a single worker)
+                tp_rank = 0
+        spec = spec_for_vllm(vllm_config, kv_cache_config, self.options, tp_rank)
+        block_size = group.kv_cache_spec.block_size
+        kv_role = self._kv_transfer_config.kv_role
+        connect = _connector_for(self.options)
+        background = background_save_copy(self.options, vllm_config.device_config.device_type)
+        self._idle_step = False  # the current step ran no forward pass (worker side)
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(spec, connect, self.options, block_size, kv_role, background)
+            self.counts = self._sched.counts
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.info("kvmesh: setting kv_load_failure_policy to 'recompute' (a failed load is a cache miss)")
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        else:
+            self._worker = WorkerSide(spec, connect, self.options, block_size, kv_role, group.layer_names,
+                                      background)
+            self.counts = self._worker.counts
+        self.spec = spec
+        log.info("kvmesh vLLM connector (%s) on node %s: %s", role.name, (self._sched or self._worker)
+                 .client(None).node_id, spec)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return (extra_config or {}).get("load_mode") == "sync"  # layer-wise waits run between graph pieces
+
+    def _guard(self, what: str, fallback, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:
+            self.counts[f"vllm_errors_{what}"] += 1
+            log.warning("kvmesh: %s failed: %s", what, e, exc_info=log.isEnabledFor(logging.DEBUG))
+            return fallback
+
+    # -- scheduler side -------------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._guard("lookup", (0, False), self._sched.lookup, request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:  # allocated() plans a job (a failing one at worst) and never raises
+            self._sched.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        got = self._guard("sources", {}, self._sched.sources, request, num_external_tokens)
+        out = {_SOURCES[k]: v for k, v in got.items()}
+        if sum(out.values()) != num_external_tokens:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return out
+
+    def build_connector_meta(self, scheduler_output) -> StepMeta:
+        return self._guard("build", StepMeta(), self._sched.build_step, scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._guard("output", None, self._sched.worker_output, connector_output.finished_recving,
+                    connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        # no guard: keeping blocks that no worker will report would leak them, and the check cannot fail
+        return self._sched.finished(request), None
+
+    # -- worker side ----------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        first = next(iter(kv_caches.values()))
+        writer = None
+        if first.device.type == "cpu":
+            s = self.spec
+            writer = _cpu_writer(self._vllm_config, self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
+                                 s.head_dim, s.num_kv_heads)
+        self._worker.register(kv_caches, writer)  # a layout kvmesh cannot move is a configuration error: raise
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        self._guard("preempt", None, self._worker.begin_step, kv_connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        # vLLM calls this in every step; a step without a forward pass has no attention metadata
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
+        meta = self._connector_metadata
+        if isinstance(meta, StepMeta) and meta.loads:
+            self._worker.start_loads(meta)  # fails individual loads itself, never raises
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        meta = self._connector_metadata if isinstance(self._connector_metadata, StepMeta) else None
+        self._guard("wait_layer", None, self._worker.wait_layer, layer_name, meta)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
+        return  # the saver reads whole chunks once per step (wait_for_save), not one layer per call
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, StepMeta):
+            self._guard("save", None, self._worker.end_step, meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        idle, self._idle_step = self._idle_step, False
+        return self._worker.finished(finished_req_ids, idle)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors()
+
+    def build_connector_worker_meta(self):
+        return self._worker.take_report()
+
+    def shutdown(self) -> None:
+        for side in (self._sched, self._worker):
+            if side is not None:
+                self._guard("shutdown", None, side.close)

@@ -1,0 +1,210 @@
+"""The worker side's loader: brings chunks from kvmesh into vLLM's blocks, on a thread of its own.
+
+    plan(job) -> Load       on the engine's thread: the job's chunk hashes, each either joined to a fetch already
+                            planned (in flight) or added to a new fetch this load runs
+    submit(load | batch)    queue it; loads run in order, so a fetch another load joins has always run first
+    run(load | batch)       fetch (one directory lookup and one `client.fetch` per fetch), then one indexed write
+                            per layer of every run of chunks into the load's blocks; an asynchronous load reports
+                            its end through the worker, a synchronous batch sets one event per layer
+
+Coalescing: the in-flight map (chunk hash -> (fetch, index)) holds every chunk from planning until the last load
+that needs it has written it, so concurrent requests that share a prefix make one transfer, not one each.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvmesh.integrations.vllm_scheduler import LoadJob
+from kvmesh.paged import scatter_layer
+
+log = logging.getLogger("kvmesh.vllm")
+WAIT_SLACK_S = 30.0  # beyond the fetch deadline: how long a load waits for a fetch it joined, and the forward
+# pass for a synchronous load
+
+
+@dataclass(eq=False)
+class Fetch:
+    """One transfer of chunks, shared by every load that needs them. Written only by the loader thread."""
+
+    group: bytes  # the prompt's directory group (its first chunk's hash)
+    hashes: list[bytes]
+    lora_id: str | None
+    kv: torch.Tensor | None = None  # [L, 2, got * C, H, D] once done
+    got: int = 0  # leading chunks that arrived intact
+    unreachable: str = ""  # the holder node a short fetch could not reach (not for a corrupt chunk)
+    done: threading.Event = field(default_factory=threading.Event)
+    refs: int = 0  # loads that still need it (guarded by the worker's lock)
+
+
+@dataclass(eq=False)
+class Load:
+    job: LoadJob
+    parts: list[tuple[Fetch, int]]  # for chunk first_chunk + i: (fetch, index in it)
+    owned: list[Fetch]  # fetches this load runs (the others are run by loads queued before it)
+    failed: list[int] = field(default_factory=list)  # block ids that could not be written
+
+
+@dataclass(eq=False)
+class SyncBatch:
+    """The synchronous loads of one step, written layer by layer while the forward pass runs."""
+
+    loads: list[Load]
+    layer_done: list[threading.Event]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False  # set (under lock) when the forward pass stopped waiting: no write after that
+
+
+class Loader:
+    """Owned by a `WorkerSide` (`worker`), whose clients, client lock, caches, counters and reports it uses."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.inflight: dict[bytes, tuple[Fetch, int]] = {}  # guarded by worker.mu
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="kvmesh-vllm-load", daemon=True)
+        self._thread.start()
+
+    def submit(self, item) -> None:
+        self._q.put(item)
+
+    def _serve(self) -> None:
+        while (item := self._q.get()) is not None:
+            try:
+                self.run(item)
+            except Exception as e:  # run() fails the load itself; keep serving
+                log.warning("kvmesh: loader: %s", e)
+
+    def plan(self, job: LoadJob) -> Load:
+        w = self.worker
+        need = []
+        if job.end_chunk > job.first_chunk:
+            toks = np.frombuffer(job.tokens, dtype="<u4")
+            hashes = w.client(job.lora_id).hashes(toks, job.salt)
+            need, group = hashes[job.first_chunk:job.end_chunk], hashes[0]
+        if not w.layers:
+            need = []
+        parts, owned, fresh = [], [], None
+        with w.mu:
+            for h in need:
+                hit = self.inflight.get(h)
+                if hit is None:
+                    if fresh is None:
+                        fresh = Fetch(group, [], job.lora_id)
+                        owned.append(fresh)
+                    hit = (fresh, len(fresh.hashes))
+                    fresh.hashes.append(h)
+                    self.inflight[h] = hit
+                else:
+                    w.counts["vllm_coalesced_chunks"] += 1
+                parts.append(hit)
+            for f in {id(f): f for f, _ in parts}.values():
+                f.refs += 1
+        return Load(job, parts, owned)
+
+    def run(self, item) -> None:
+        w = self.worker
+        loads = item.loads if isinstance(item, SyncBatch) else [item]
+        try:
+            for ld in loads:
+                for f in ld.owned:
+                    self._fetch(f)
+            if isinstance(item, SyncBatch):
+                for i, ev in enumerate(item.layer_done):
+                    with item.lock:
+                        if item.cancelled:
+                            return
+                        for ld in loads:
+                            self._write(ld, range(i, i + 1))
+                    ev.set()
+            else:
+                self._write(item, range(len(w.layers)))
+        except Exception as e:
+            log.warning("kvmesh: load failed: %s", e)
+            w.count("vllm_errors_load")
+            for ld in loads:
+                ld.failed = list(ld.job.block_ids[ld.job.skip_blocks:ld.job.fill_blocks])
+            if isinstance(item, SyncBatch):
+                for ev in item.layer_done:
+                    ev.set()
+        finally:
+            for ld in loads:
+                self._release(ld)
+            if not isinstance(item, SyncBatch):
+                w.report_load(item, async_done=True, blocks=item.failed)
+
+    def _fetch(self, f: Fetch) -> None:
+        w = self.worker
+        s, c = w.spec, w.chunk
+        try:
+            client = w.client(f.lora_id)
+            with w.client_lock:
+                match = client.lookup_keys(f.group, f.hashes)
+                if match.num_chunks:
+                    buf = torch.empty(s.kv_shape(match.num_chunks * c), dtype=s.torch_dtype)
+                    kv = client.fetch(match, out=buf, deadline_s=w.options.fetch_timeout_s)
+                    f.kv, f.got = kv, kv.shape[2] // c
+                    st = client.last_fetch
+                    if f.got < match.num_chunks and st.error in ("peer_error", "deadline"):
+                        holders = [h.node_id for h in match.chunks[f.got].holders if h.node_id != client.node_id]
+                        f.unreachable = holders[0] if holders else ""
+                    for source, k in (("local", st.local_chunks), ("peer", st.peer_chunks)):
+                        if k:  # the two overlap in time: each is charged the whole fetch (an upper bound)
+                            with w.mu:
+                                w.report.transfers.append((source, k * s.chunk_bytes, st.seconds))
+            w.count("vllm_fetched_chunks", f.got)
+            if f.got < len(f.hashes):
+                w.count("vllm_fetch_missing_chunks", len(f.hashes) - f.got)
+        finally:
+            f.done.set()
+
+    def _write(self, ld: Load, layers: range) -> None:
+        """Write the chunks of `ld` that arrived into its blocks, for `layers`; blocks after the first chunk
+        that did not arrive are failed (vLLM recomputes from the first failed block anyway)."""
+        w = self.worker
+        job, m, c = ld.job, w.per_chunk, w.chunk
+        ok = 0
+        limit = time.monotonic() + (w.options.fetch_timeout_s or 10.0) + WAIT_SLACK_S
+        for f, i in ld.parts:  # fetches of loads queued earlier (or of this one): done, or failing by a deadline
+            if not f.done.wait(max(0.0, limit - time.monotonic())) or i >= f.got:
+                break
+            ok += 1
+        lo, hi = job.skip_blocks, min(job.fill_blocks, ok * m)
+        ld.failed = list(job.block_ids[max(lo, ok * m):job.fill_blocks])
+        ids = torch.tensor(job.block_ids, dtype=torch.long)
+        j = 0
+        while j * m < hi:  # runs of chunks that sit next to each other in one fetch: one write per layer each
+            f, start = ld.parts[j]
+            k = 1
+            while (j + k) * m < hi and ld.parts[j + k][0] is f and ld.parts[j + k][1] == start + k:
+                k += 1
+            b0, b1 = j * m, min((j + k) * m, hi)
+            for layer in layers:
+                src = f.kv[layer, :, start * c:start * c + (b1 - b0) * w.block_size]
+                scatter_layer(src, w.layers[layer], w.codec, ids[b0:b1], first=max(0, lo - b0))
+            j += k
+        if layers.stop == len(w.layers):
+            w.count("vllm_loaded_chunks", ok)
+            w.count("vllm_loaded_blocks", max(0, hi - lo))
+
+    def _release(self, ld: Load) -> None:
+        w = self.worker
+        with w.mu:
+            for f in {id(f): f for f, _ in ld.parts}.values():
+                f.refs -= 1
+                if f.refs <= 0:
+                    for h in f.hashes:
+                        if self.inflight.get(h, (None,))[0] is f:
+                            del self.inflight[h]
+                    f.kv = None
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=10)

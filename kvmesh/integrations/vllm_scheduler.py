@@ -1,0 +1,339 @@
+"""The scheduler side of the vLLM connector: which prefix to load for each request, and which chunks to save.
+
+    lookup(request, num_computed_tokens) -> (tokens, async)   read, one directory round trip: the longest run of
+                                                              cached chunks beyond vLLM's own prefix cache, cut by
+                                                              the cost model
+    allocated(request, block_ids, num_external_tokens)        plans the load into the blocks vLLM allocated
+    build_step(scheduler_output) -> StepMeta                  hands this step's loads and saves to the workers
+    worker_output(finished_recving, report)                   loads that ended; failed loads (that request is not
+                                                              offered a load again, an unreachable holder is
+                                                              avoided for a lease); prefill and fetch times for
+                                                              the cost model
+    finished(request) -> bool                                 whether vLLM must keep the request's blocks until
+                                                              the workers report it (a load or a save may still
+                                                              read or write them)
+
+Saves: each step, the prompt chunks that become fully computed in it are saved by the workers after the step's
+forward pass (only prompt tokens: output tokens of an async-scheduled step may not be known here yet). When the
+workers copy them out of the blocks after the step (`save_copy="background"`), a finished request's blocks stay
+allocated until the workers report that its copies are done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from kvmesh.integrations.vllm_options import ConnectorOptions, lora_identity, request_salt
+from kvmesh.tiers import TIER_DISK
+
+log = logging.getLogger("kvmesh.vllm")
+DIRECTORY_RETRY_S = 5.0  # after a lookup found the directory away, requests go without kvmesh this long
+
+
+@dataclass
+class LoadJob:
+    """Fetch chunks [first_chunk, end_chunk) of a prompt and write them into its blocks."""
+
+    req_id: str
+    tokens: bytes  # the prompt's token ids through chunk end_chunk, little-endian uint32 (for the chunk hashes)
+    first_chunk: int
+    end_chunk: int
+    block_ids: list[int]  # the engine blocks of chunks [first_chunk, end_chunk), in token order
+    skip_blocks: int  # leading blocks of block_ids vLLM already has (its own prefix cache): never written
+    fill_blocks: int  # block_ids[skip_blocks:fill_blocks] are written; vLLM treats them as computed
+    salt: str | None
+    lora_id: str | None
+    sync: bool  # written during this step's forward pass (layer by layer) instead of between steps
+
+
+@dataclass
+class SaveJob:
+    """Save chunks [first_chunk, end_chunk) of a prompt, computed by the end of this step, from its blocks."""
+
+    req_id: str
+    tokens: bytes
+    first_chunk: int
+    end_chunk: int
+    block_ids: list[int]
+    salt: str | None
+    lora_id: str | None
+
+
+@dataclass
+class StepMeta(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # requests whose blocks vLLM reuses from this step on
+    prefill: tuple[int, int] | None = None  # (new, past) tokens when the step is one prompt's prefill, from 0
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Measurements the workers send back for the scheduler's cost model."""
+
+    prefills: list[tuple[int, int, float]] = field(default_factory=list)  # (new, past, seconds)
+    transfers: list[tuple[str, int, float]] = field(default_factory=list)  # (source, bytes, seconds)
+    failed_loads: list[tuple[str, str]] = field(default_factory=list)  # (request, unreachable holder node or "")
+
+    def aggregate(self, other: "WorkerReport") -> "WorkerReport":
+        return WorkerReport(self.prefills + other.prefills, self.transfers + other.transfers,
+                            self.failed_loads + other.failed_loads)
+
+
+@dataclass(slots=True)
+class _Request:
+    """What the scheduler side knows of one request; created on its first lookup, dropped when it finishes."""
+
+    tokens: np.ndarray  # prompt token ids, <u4
+    salt: str | None
+    lora_id: str | None
+    skip: str  # why kvmesh leaves it alone ("multimodal", "prompt_embeds"), "" when it does not
+    hashes: list[bytes] | None = None  # chunk hashes of the prompt under its spec, computed on first need
+    match: object | None = None  # the last lookup's Match (chunks from `match_first` on)
+    match_first: int = 0
+    local: int = 0  # vLLM's own computed tokens at that lookup
+    saved: int | None = None  # prompt chunks present in kvmesh or saved by now; None until first scheduled
+    had_save: bool = False  # a background-copy save was handed to the workers: keep the blocks until they report
+    loading: bool = False  # an asynchronous load was handed to the workers and has not ended
+    load_failed: bool = False  # a load of it failed: vLLM recomputes, and it is never offered a load again
+
+
+class SchedulerSide:
+    def __init__(self, spec, connect, options: ConnectorOptions, block_size: int, kv_role: str,
+                 background_copy: bool) -> None:
+        self.spec = spec
+        self.background_copy = background_copy  # saves read blocks after the step: keep finished ones for them
+        self.options = options
+        self.block_size = block_size
+        self.chunk = spec.chunk_tokens
+        self.per_chunk = self.chunk // block_size
+        self.load = kv_role in ("kv_both", "kv_consumer")
+        self.save = kv_role in ("kv_both", "kv_producer")
+        self._connect = connect  # spec -> KVMeshClient
+        self._clients = {None: connect(spec)}
+        self.counts = self._clients[None].counts  # shared by every client of this side (one per LoRA adapter)
+        self._reqs: dict[str, _Request] = {}
+        self._loads: list[LoadJob] = []  # planned since the last step was built
+        self._fingerprints: dict[str, str] = {}
+        # node -> monotonic time until which its chunks are not offered: a worker could not reach it, and the
+        # directory may list a dead node until its lease ends (vLLM would otherwise retry the same load)
+        self._unreachable: dict[str, float] = {}
+        self._directory_down_until = 0.0  # after a failed lookup, new requests skip kvmesh until then
+
+    def client(self, lora_id: str | None):
+        c = self._clients.get(lora_id)
+        if c is None:
+            c = self._clients[lora_id] = self._connect(replace(self.spec, lora_id=lora_id))
+            c.counts = self.counts
+            c.cost = self._clients[None].cost  # an adapter barely changes the prefill and not the links
+        return c
+
+    # -- lookup ---------------------------------------------------------------------------------------------------
+    def _track(self, request) -> _Request:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            skip = ("multimodal" if getattr(request, "mm_features", None)
+                    else "prompt_embeds" if getattr(request, "prompt_embeds", None) is not None
+                    or getattr(request, "prompt_is_token_ids", None) is not None
+                    or request.prompt_token_ids is None else "")
+            toks = np.asarray(request.prompt_token_ids or [], dtype="<u4")
+            st = _Request(toks, request_salt(self.options.cache_salt, getattr(request, "cache_salt", None)),
+                          lora_identity(getattr(request, "lora_request", None), self._fingerprints), skip)
+            if skip:
+                self.counts[f"vllm_skip_{skip}"] += 1
+            self._reqs[request.request_id] = st
+        return st
+
+    def _hashes(self, st: _Request) -> list[bytes]:
+        if st.hashes is None:
+            st.hashes = self.client(st.lora_id).hashes(st.tokens, st.salt)
+        return st.hashes
+
+    def lookup(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._track(request)
+        st.match = None
+        if not self.load or st.skip or getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        if st.load_failed:
+            self.counts["vllm_skip_after_failed_load"] += 1
+            return 0, False
+        n, c = len(st.tokens), self.chunk
+        last = (n - 1) // c  # vLLM computes at least the last prompt token itself
+        first = num_computed_tokens // c  # a chunk vLLM holds only in part is loaded whole, its rest written
+        if first >= last:
+            return 0, False
+        now = time.monotonic()
+        if now < self._directory_down_until:  # no lookup timeout per request while the directory is away
+            self.counts["vllm_skip_directory_down"] += 1
+            return 0, False
+        client = self.client(st.lora_id)
+        errors = self.counts["directory_errors"]
+        if first == 0:  # also detects another spec of this model holding the prefix ("spec_mismatch")
+            match = client.lookup(st.tokens, st.salt, max_chunks=last, allow_split=False)
+            plan = match.plan
+        else:
+            hashes = self._hashes(st)
+            match = client.lookup_keys(hashes[0], hashes[first:last])
+            plan = client.plan(match, n - first * c, allow_split=False) if match.num_chunks else None
+        if self.counts["directory_errors"] > errors:
+            self._directory_down_until = time.monotonic() + DIRECTORY_RETRY_S
+        k = self._reachable(match)
+        if k < match.num_chunks:
+            self.counts["vllm_cut_unreachable_chunks"] += match.num_chunks - k
+        if k and self.options.cost_model and plan is not None and plan.end < k:
+            self.counts["vllm_cost_model_cut_chunks"] += k - plan.end
+            k = plan.end
+        self.counts["vllm_lookup_tokens"] += n - num_computed_tokens
+        external = (first + k) * c - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        st.match, st.match_first, st.local = match.truncate(k), first, num_computed_tokens
+        self.counts["vllm_hit_tokens"] += external
+        return external, self.options.load_mode == "async"
+
+    def _reachable(self, match) -> int:
+        """Leading chunks of `match` with a holder that no worker recently failed to reach."""
+        if not self._unreachable:
+            return match.num_chunks
+        now = time.monotonic()
+        self._unreachable = {n: t for n, t in self._unreachable.items() if t > now}
+        for i, ch in enumerate(match.chunks):
+            if all(h.node_id in self._unreachable for h in ch.holders):
+                return i
+        return match.num_chunks
+
+    def sources(self, request, num_external_tokens: int) -> dict[str, int]:
+        """Tokens of a hit by where they come from: "host" (this node's CPU tier), "disk" or "p2p" (a peer)."""
+        st = self._reqs.get(request.request_id)
+        out: dict[str, int] = {}
+        if st is None or st.match is None:
+            return out
+        node = self.client(st.lora_id).node_id
+        lo, hi = st.local, st.local + num_external_tokens
+        for i, ch in enumerate(st.match.chunks):
+            a, b = (st.match_first + i) * self.chunk, (st.match_first + i + 1) * self.chunk
+            tokens = max(0, min(b, hi) - max(a, lo))
+            holder = ch.holders[0]
+            where = "disk" if holder.tier == TIER_DISK else "host" if holder.node_id == node else "p2p"
+            out[where] = out.get(where, 0) + tokens
+        return {k: v for k, v in out.items() if v}
+
+    # -- planning -------------------------------------------------------------------------------------------------
+    def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM allocated blocks for `num_external_tokens` after the local hit: plan the load. Never fails: a load
+        that cannot be planned still becomes a job, which the workers report as failed (vLLM recomputes it)."""
+        if num_external_tokens <= 0:
+            return
+        try:
+            self._allocated(request, block_ids, num_external_tokens)
+        except Exception as e:  # vLLM now waits for these blocks: a job must report them, as failed
+            log.warning("kvmesh: planning the load of %s failed: %s", request.request_id, e)
+            self.counts["vllm_errors_alloc"] += 1
+            st = self._reqs.get(request.request_id)
+            local = st.local if st is not None and st.match is not None else 0
+            lo, hi = local // self.block_size, (local + num_external_tokens) // self.block_size
+            sync = self.options.load_mode == "sync"
+            self._loads.append(LoadJob(request.request_id, b"", 0, 0, list(block_ids[:hi]), lo, hi, None, None,
+                                       sync))
+            if st is not None:
+                st.loading = not sync
+
+    def _allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        st = self._track(request)
+        bs, m = self.block_size, self.per_chunk
+        local = st.local if st.match is not None else 0
+        first = local // self.chunk
+        fill_end = (local + num_external_tokens) // bs  # blocks [.., fill_end) become computed
+        end = -(-fill_end // m) if st.match is not None else first
+        end = min(end, first + (st.match.num_chunks if st.match is not None else 0))
+        job = LoadJob(request.request_id, st.tokens[:end * self.chunk].tobytes(), first, end,
+                      list(block_ids[first * m:first * m + max(fill_end - first * m, 0)]),
+                      skip_blocks=local // bs - first * m, fill_blocks=fill_end - first * m, salt=st.salt,
+                      lora_id=st.lora_id, sync=self.options.load_mode == "sync")
+        self._loads.append(job)
+        st.loading = not job.sync
+        reused = self.sources(request, num_external_tokens)
+        self.client(st.lora_id).record_request(reused.get("host", 0), reused.get("p2p", 0) + reused.get("disk", 0),
+                                               max(0, len(st.tokens) - local - num_external_tokens))
+
+    def build_step(self, so) -> StepMeta:
+        meta = StepMeta(loads=self._loads, preempted=set(getattr(so, "preempted_req_ids", None) or ()))
+        self._loads = []
+        before: dict[str, int] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        new_ids = set(before)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            before[req_id] = cached.num_computed_tokens[i]
+        scheduled = so.num_scheduled_tokens
+        if len(scheduled) == 1:  # one prompt computed from its start and nothing else: a recompute's cost
+            (req_id, n), = scheduled.items()
+            st = self._reqs.get(req_id)
+            # (suffix prefills after a load are not observed: fitted on those alone, the model would price a
+            # whole prompt like its suffix and refuse every load)
+            if st is not None and before.get(req_id) == 0 and n > 1:
+                meta.prefill = (min(n, len(st.tokens)), 0)
+        if not self.save:
+            return meta
+        blocks_of = getattr(so, "kv_connector_block_state", None)
+        for req_id, n in scheduled.items():
+            st = self._reqs.get(req_id)
+            if st is None or st.skip or req_id not in before:
+                continue
+            if st.saved is None or req_id in new_ids and st.saved < before[req_id] // self.chunk:
+                st.saved = before[req_id] // self.chunk  # what vLLM or kvmesh already held
+            done = min(before[req_id] + n, len(st.tokens)) // self.chunk
+            if done <= st.saved:
+                continue
+            ids = blocks_of.get_block_ids(req_id) if blocks_of is not None else None
+            if not ids:
+                self.counts["vllm_save_no_blocks"] += 1
+                continue
+            m = self.per_chunk
+            meta.saves.append(SaveJob(req_id, st.tokens[:done * self.chunk].tobytes(), st.saved, done,
+                                      list(ids[0][st.saved * m:done * m]), st.salt, st.lora_id))
+            st.saved = done
+            st.had_save = st.had_save or self.background_copy
+        return meta
+
+    # -- completion -----------------------------------------------------------------------------------------------
+    def worker_output(self, finished_recving, report: WorkerReport | None) -> None:
+        for req_id in finished_recving or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.loading = False
+        if report is not None:
+            client = self._clients[None]
+            for req_id, node in report.failed_loads:
+                st = self._reqs.get(req_id)
+                if st is not None:
+                    st.load_failed = True
+                if node:
+                    self._unreachable[node] = time.monotonic() + client.config.lease_s
+                    self.counts["vllm_unreachable_reports"] += 1
+            cost = client.cost
+            for n_new, n_past, seconds in report.prefills:
+                cost.prefill.observe(n_new, n_past, seconds)
+            for source, nbytes, seconds in report.transfers:
+                cost.observe_transfer(source, nbytes, seconds)
+
+    def finished(self, request) -> bool:
+        """The request finished: True if vLLM must keep its blocks until the workers report it (an asynchronous
+        load still writes them, or a save may still read them: the workers report every request they saved
+        from, once its last save has read its blocks)."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False
+        pending = [j for j in self._loads if j.req_id == request.request_id]
+        if pending:  # never handed to the workers: nothing will write the blocks
+            self._loads = [j for j in self._loads if j.req_id != request.request_id]
+            st.loading = False
+        return st.loading or st.had_save
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()

@@ -1,0 +1,320 @@
+"""The worker side of the vLLM connector: moves chunks between kvmesh and vLLM's paged KV cache.
+
+    register(kv_caches)                  vLLM's per-layer cache tensors; learns the block layout (kvmesh.paged)
+    begin_step(meta)                     start of a step: waits for saves still reading blocks vLLM now reuses
+                                         (preempted requests)
+    start_loads(meta)                    hands the step's loads to the loader thread (idempotent per step)
+    wait_layer(name)                     synchronous loads: blocks until that layer's blocks are written
+    end_step(meta)                       after the forward pass: ends synchronous loads, hands the step's saves
+                                         to the saver thread
+    finished(finished_req_ids)           asynchronous loads that ended; finished requests whose saves have read
+                                         their blocks (the scheduler kept those blocks for them)
+    load_errors()                        blocks that were promised but could not be loaded, for vLLM to recompute
+
+Threads. Loads run on the loader's thread (kvmesh.integrations.vllm_loader: fetches coalesced across requests,
+then one indexed write per layer). Saves gather full chunks from the blocks into a staging tensor (one indexed
+read per layer): in the step loop ("inline", the default on the CPU, where it is a memcpy) or on the saver thread
+after the step ("background", the default on GPUs, where it is a side-stream copy; vLLM keeps a finished
+request's blocks until it is done). The saver thread then hands them to the local KVNode (`client.store_keys`,
+asynchronous). Client calls of the two threads are serialised by `client_lock`; the engine's own thread never
+waits for kvmesh except for an inline copy and in a synchronous load.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from kvmesh.integrations.vllm_loader import WAIT_SLACK_S, Load, Loader, SyncBatch
+
+IDLE_WAIT_S = 0.02  # at most this long per empty engine step, waiting for an asynchronous load to end
+from kvmesh.integrations.vllm_scheduler import SaveJob, StepMeta, WorkerReport
+from kvmesh.paged import HeadMajorCodec, gather_chunks, learn_codec
+
+log = logging.getLogger("kvmesh.vllm")
+
+
+class WorkerSide:
+    def __init__(self, spec, connect, options, block_size: int, kv_role: str, layer_names: list[str],
+                 background_copy: bool) -> None:
+        self.spec, self.options, self.block_size = spec, options, block_size
+        self.background_copy = background_copy  # see vllm_options.background_save_copy
+        self.chunk = spec.chunk_tokens
+        self.per_chunk = self.chunk // block_size
+        self.save = kv_role in ("kv_both", "kv_producer")
+        self._connect = connect
+        self._clients = {None: connect(spec)}
+        self.counts: Counter[str] = self._clients[None].counts
+        self._layer_names = list(layer_names)
+        self.layers: list[torch.Tensor] = []
+        self.layer_of: dict[str, int] = {}
+        self.codec = None
+        self.client_lock = threading.Lock()
+        self.mu = threading.Condition()
+        self._recved: list[str] = []  # asynchronous loads that ended, not yet reported
+        self._async_loads = 0  # asynchronous loads queued and not ended
+        self._errors: set[int] = set()  # failed blocks not yet reported
+        self._reported_errors: set[int] = set()  # taken with the finished loads, returned by load_errors()
+        self._pending_saves: Counter[str] = Counter()  # save jobs whose blocks have not been read yet
+        self._saved_from: set[str] = set()  # requests with save jobs (the scheduler keeps their blocks)
+        self._finishing: set[str] = set()  # ... that finished; reported once their saves read their blocks
+        self._sync: SyncBatch | None = None
+        self._started: StepMeta | None = None
+        self._step_t0: float | None = None
+        self.report = WorkerReport()
+        self.loader = Loader(self)
+        self._saves_q: queue.Queue = queue.Queue()
+        self._saver = threading.Thread(target=self._run, args=(self._saves_q, self._run_save),
+                                       name="kvmesh-vllm-save", daemon=True)
+        self._saver.start()
+
+    def client(self, lora_id: str | None):
+        c = self._clients.get(lora_id)
+        if c is None:
+            c = self._clients[lora_id] = self._connect(replace(self.spec, lora_id=lora_id))
+            c.counts = self.counts
+        return c
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self.mu:
+            self.counts[key] += n
+
+    # -- registration ---------------------------------------------------------------------------------------------
+    def register(self, kv_caches: dict[str, torch.Tensor], cpu_writer=None) -> None:
+        """Take vLLM's per-layer caches (views of its paged buffers) and learn their block layout: on the CPU
+        by writing known K/V through vLLM's own kernel (`cpu_writer`), elsewhere vLLM's logical
+        [blocks, heads, block_size, 2 * head_dim] view (see kvmesh.paged)."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted((n for n in self._layer_names if n in kv_caches), key=extract_layer_index)
+        if len(names) != self.spec.num_layers:
+            raise ValueError(f"kvmesh vLLM connector: {len(names)} of the {self.spec.num_layers} attention layers "
+                             f"have a KV cache")
+        layers = [kv_caches[n] for n in names]
+        s, bs = self.spec, self.block_size
+        shape = (s.num_kv_heads, bs, 2 * s.head_dim)
+        for n, t in zip(names, layers):
+            if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.dtype != s.torch_dtype:
+                raise ValueError(f"kvmesh vLLM connector: layer {n} has a {t.dtype} cache of shape "
+                                 f"{list(t.shape)}; expected [blocks, {', '.join(map(str, shape))}] {s.dtype}")
+        if layers[0].device.type == "cpu":
+            if not all(t.is_contiguous() for t in layers):
+                raise ValueError("kvmesh vLLM connector: vLLM's CPU caches are not contiguous per block")
+            self.codec = learn_codec(cpu_writer, shape, bs, s.num_kv_heads, s.head_dim, s.torch_dtype)
+        else:
+            self.codec = HeadMajorCodec(bs, s.num_kv_heads, s.head_dim)
+        self.layers, self.layer_of = layers, {n: i for i, n in enumerate(names)}
+
+    # -- step -----------------------------------------------------------------------------------------------------
+    def begin_step(self, meta: StepMeta) -> None:
+        self._step_t0 = time.perf_counter()
+        if meta.preempted:
+            with self.mu:
+                if not self.mu.wait_for(lambda: all(self._pending_saves[r] <= 0 for r in meta.preempted),
+                                         timeout=120):
+                    log.error("kvmesh: saves of preempted requests still read their blocks after 120 s")
+
+    def start_loads(self, meta: StepMeta) -> None:
+        """Plan every load of this step and queue it; never raises (a load that cannot start is failed)."""
+        if self._started is meta:
+            return
+        self._started = meta
+        with self.mu:  # each ends with one report_load(async_done=True), planned or not
+            self._async_loads += sum(1 for job in meta.loads if not job.sync)
+        loads = []
+        for job in meta.loads:
+            try:
+                loads.append(self.loader.plan(job))
+            except Exception as e:  # a bug or a bad job: vLLM recomputes what it was promised
+                log.warning("kvmesh: load for %s could not start: %s", job.req_id, e)
+                self.count("vllm_errors_load")
+                self.report_load(Load(job, [], []), async_done=not job.sync)
+        sync = [ld for ld in loads if ld.job.sync]
+        for ld in loads:
+            if not ld.job.sync:
+                self.loader.submit(ld)
+        if sync:
+            self._sync = SyncBatch(sync, [threading.Event() for _ in self.layers])
+            self.loader.submit(self._sync)
+
+    def wait_layer(self, name: str, meta: StepMeta | None) -> None:
+        if meta is not None and meta.loads and self._started is not meta:
+            self.start_loads(meta)  # the forward pass came first: vLLM does not promise the order
+        batch = self._sync
+        i = self.layer_of.get(name)
+        if batch is not None and i is not None:
+            self._wait_batch(batch, batch.layer_done[i:i + 1])
+
+    def end_step(self, meta: StepMeta) -> None:
+        if self.background_copy and meta.saves:  # first: the scheduler keeps these requests' blocks for us
+            with self.mu:
+                self._saved_from.update(job.req_id for job in meta.saves)
+        if meta.loads and self._started is not meta:
+            self.start_loads(meta)
+        batch, self._sync = self._sync, None
+        if batch is not None:
+            self._wait_batch(batch, batch.layer_done)
+            for ld in batch.loads:  # a cancelled batch may have written some layers only: all of it failed
+                if batch.cancelled or ld.failed:
+                    self.report_load(ld, async_done=False, blocks=None if batch.cancelled else ld.failed)
+        if meta.prefill is not None and self._step_t0 is not None:
+            with self.mu:
+                self.report.prefills.append((*meta.prefill, time.perf_counter() - self._step_t0))
+        self._step_t0 = None
+        if not self.save or not meta.saves or not self.layers:
+            return
+        if not self.background_copy:  # the one stall a save costs the step loop: a copy into staging
+            for job in meta.saves:
+                staging = None
+                try:
+                    staging = self._gather(job)
+                    if staging.is_cuda:
+                        staging = staging.to("cpu")
+                except Exception as e:
+                    log.warning("kvmesh: save of %s failed: %s", job.req_id, e)
+                    self.count("vllm_errors_save")
+                if staging is not None:
+                    self._saves_q.put((job, staging, None))
+            return
+        event = None
+        if self.layers[0].is_cuda:  # the saver's copies wait for this step's kernels
+            event = torch.cuda.Event()
+            event.record()
+        with self.mu:
+            for job in meta.saves:
+                self._pending_saves[job.req_id] += 1
+        for job in meta.saves:
+            self._saves_q.put((job, None, event))
+
+    def _wait_batch(self, batch: SyncBatch, events: list[threading.Event]) -> None:
+        limit = time.monotonic() + (self.options.fetch_timeout_s or self.client(None).config.fetch_timeout_s) \
+            + WAIT_SLACK_S
+        for ev in events:
+            if not ev.wait(max(0.0, limit - time.monotonic())):
+                with batch.lock:  # from here on the loader writes nothing: the blocks are vLLM's again
+                    batch.cancelled = True
+                self.count("vllm_load_timeouts")
+                for e in batch.layer_done:
+                    e.set()
+                return
+
+    def finished(self, finished_req_ids, idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
+        """`idle`: the step ran no forward pass. If asynchronous loads are all vLLM waits for, wait a little for
+        one to end: vLLM's loop would otherwise spin through empty steps, and on a small CPU starve the loader
+        thread of the interpreter lock it needs between its copies."""
+        with self.mu:
+            if idle and self._async_loads and not self._recved:
+                self.mu.wait_for(lambda: self._recved or not self._async_loads, timeout=IDLE_WAIT_S)
+            recving = set(self._recved)
+            self._recved.clear()
+            self._reported_errors |= self._errors
+            self._errors = set()
+            for r in finished_req_ids or ():
+                if r in self._saved_from:
+                    self._saved_from.discard(r)
+                    self._finishing.add(r)
+            sending = {r for r in self._finishing if self._pending_saves[r] <= 0}
+            self._finishing -= sending
+            for r in sending:
+                self._pending_saves.pop(r, None)
+            self.counts["vllm_kept_blocks_released"] += len(sending)
+        return sending or None, recving or None
+
+    def load_errors(self) -> set[int]:
+        with self.mu:
+            out, self._reported_errors = self._reported_errors, set()
+            self.counts["vllm_load_failed_blocks"] += len(out)
+        return out
+
+    def take_report(self) -> WorkerReport | None:
+        with self.mu:
+            r = self.report
+            if not r.prefills and not r.transfers and not r.failed_loads:
+                return None
+            self.report = WorkerReport()
+        return r
+
+    # -- loads ----------------------------------------------------------------------------------------------------
+    def _run(self, q: queue.Queue, fn) -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            try:
+                fn(item)
+            except Exception as e:  # keep the thread alive; the item's own handler already failed it
+                log.warning("kvmesh: %s failed: %s", threading.current_thread().name, e)
+
+    def report_load(self, ld: Load, async_done: bool, blocks: list[int] | None = None) -> None:
+        """Report a load: its failed blocks (all it promised when `blocks` is None) and, for an asynchronous one,
+        its end, in one step (vLLM requires the errors no later than the end)."""
+        job = ld.job
+        failed = list(job.block_ids[job.skip_blocks:job.fill_blocks]) if blocks is None else blocks
+        with self.mu:
+            self._errors.update(failed)
+            if failed:
+                self.counts["vllm_load_failed_chunks"] += -(-len(failed) // self.per_chunk)
+                node = next((f.unreachable for f, i in ld.parts if i >= f.got and f.unreachable), "")
+                self.report.failed_loads.append((job.req_id, node))
+            if async_done:
+                self._recved.append(job.req_id)
+                self._async_loads -= 1
+                self.mu.notify_all()
+
+    # -- saves ----------------------------------------------------------------------------------------------------
+    def _gather(self, job: SaveJob) -> torch.Tensor:
+        n = job.end_chunk - job.first_chunk
+        staging = torch.empty((n, *self.spec.chunk_shape), dtype=self.spec.torch_dtype, device=self.layers[0].device)
+        return gather_chunks(self.layers, self.codec, torch.tensor(job.block_ids, dtype=torch.long), staging)
+
+    def _run_save(self, item) -> None:
+        """(job, staging, event): store `staging` ([n, *chunk_shape] on the CPU), or first gather it from the
+        blocks (background copy; on a GPU after `event`, on a side stream) and release the blocks."""
+        job, staging, event = item
+        if staging is None:
+            try:
+                if event is not None:
+                    stream = torch.cuda.Stream(device=self.layers[0].device)
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(event)
+                        staging = self._gather(job).to("cpu")
+                    stream.synchronize()
+                else:
+                    staging = self._gather(job)
+            except Exception as e:
+                log.warning("kvmesh: save of %s failed: %s", job.req_id, e)
+                self.count("vllm_errors_save")
+                staging = None
+            finally:
+                with self.mu:  # the blocks are not read any more
+                    self._pending_saves[job.req_id] -= 1
+                    self.mu.notify_all()
+        if staging is None:
+            return
+        n = job.end_chunk - job.first_chunk
+        client = self.client(job.lora_id)
+        hashes = client.hashes(np.frombuffer(job.tokens, dtype="<u4"), job.salt)
+        with self.client_lock:
+            sent = client.store_keys(hashes[0], hashes[job.first_chunk:job.end_chunk], list(staging))
+        self.count("vllm_saved_chunks", sent)
+        self.count("vllm_save_already_cached_chunks", n - sent)
+
+    def close(self) -> None:
+        self.loader.close()
+        self._saves_q.put(None)
+        self._saver.join(timeout=10)
+        import ray
+
+        for c in self._clients.values():
+            try:
+                if ray.is_initialized():  # at interpreter exit Ray may be gone already
+                    c.flush(timeout_s=5)
+            finally:
+                c.close()

@@ -1,0 +1,130 @@
+"""The vLLM connector's options and spec derivation (kvmesh.integrations.vllm_options), with stand-ins for vLLM's
+config objects (the module reads them by attribute; the real ones are exercised by tests/vllm)."""
+
+import os
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from kvmesh.integrations.identity import local_model_id
+from kvmesh.integrations.vllm_options import (
+    ConnectorOptions,
+    background_save_copy,
+    lora_identity,
+    model_identity,
+    parse_options,
+    request_salt,
+    spec_for_vllm,
+)
+
+
+class FullAttentionSpec(NS):  # vLLM's class name is what the connector checks
+    pass
+
+
+class SlidingWindowSpec(NS):
+    pass
+
+
+def vllm_config(model="org/model", revision="abc123", dtype=torch.bfloat16, tp=1, pp=1, **model_kw):
+    return NS(model_config=NS(model=model, revision=revision, dtype=dtype, hf_overrides=model_kw.get("overrides"),
+                              quantization=model_kw.get("quantization")),
+              parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+              cache_config=NS(calculate_kv_scales=False))
+
+
+def kv_config(block=16, heads=8, head=128, dtype=torch.bfloat16, layers=4, kind=FullAttentionSpec, groups=1):
+    spec = kind(block_size=block, num_kv_heads=heads, head_size=head, head_size_v=head, dtype=dtype,
+                sliding_window=None)
+    group = NS(kv_cache_spec=spec, layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(layers)])
+    return NS(kv_cache_groups=[group] * groups)
+
+
+def test_options_are_type_checked_and_unknown_keys_named():
+    o = parse_options({"cache_salt": "t1", "chunk_tokens": 512, "load_mode": "sync", "cost_model": False,
+                       "fetch_timeout_s": 2.5, "save_copy": "background"})
+    assert o == ConnectorOptions(cache_salt="t1", chunk_tokens=512, load_mode="sync", cost_model=False,
+                                 fetch_timeout_s=2.5, save_copy="background")
+    assert parse_options(None) == ConnectorOptions()
+    for bad, name in (({"chunk_tokns": 256}, "chunk_tokns"), ({"chunk_tokens": 0}, "chunk_tokens"),
+                      ({"chunk_tokens": True}, "chunk_tokens"), ({"cost_model": 1}, "cost_model"),
+                      ({"load_mode": "eager"}, "load_mode"), ({"cache_salt": ""}, "cache_salt"),
+                      ({"cache_salt": "a\x00b"}, "cache_salt"), ({"fetch_timeout_s": -1}, "fetch_timeout_s"),
+                      ({"save_copy": "later"}, "save_copy"), ({"ray_address": 5}, "ray_address")):
+        with pytest.raises(ValueError, match=name):
+            parse_options(bad)
+
+
+def test_salts_keep_tenants_and_salted_engines_apart():
+    assert request_salt(None, None) is None
+    assert request_salt(None, "t1") == "t1"  # shared with a transformers worker salted "t1"
+    assert request_salt("eng", None) == "eng\x00"
+    assert request_salt("eng", "t1") == "eng\x00t1"
+    assert len({request_salt(e, r) for e in (None, "eng", "eng2") for r in (None, "t1", "t2")}) == 9
+
+
+def test_the_model_identity_needs_a_revision_or_a_fingerprint(tmp_path):
+    o = ConnectorOptions()
+    assert model_identity(vllm_config().model_config, o) == "org/model@abc123"
+    with pytest.raises(ValueError, match="revision"):
+        model_identity(vllm_config(revision=None).model_config, o)
+    assert model_identity(vllm_config(revision=None).model_config,
+                          ConnectorOptions(model_revision="r2")) == "org/model@r2"
+    assert model_identity(vllm_config().model_config, ConnectorOptions(model_id="mine")) == "mine"
+    d = tmp_path / "tiny"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"weights-1")
+    first = model_identity(vllm_config(model=str(d), revision=None).model_config, o)
+    assert first == local_model_id(str(d)) and first.startswith("tiny@")
+    (d / "model.safetensors").write_bytes(b"weights-2")  # new weights, same name: a new identity
+    assert model_identity(vllm_config(model=str(d)).model_config, o) != first
+    with_overrides = model_identity(vllm_config(overrides={"rope_theta": 1e6}).model_config, o)
+    assert with_overrides.startswith("org/model@abc123#hf=")
+    assert model_identity(vllm_config(quantization="fp8").model_config, o) == "org/model@abc123#q=fp8"
+    with pytest.raises(ValueError, match="hf_overrides"):
+        model_identity(vllm_config(overrides=lambda c: c).model_config, o)
+
+
+def test_the_spec_comes_from_the_kv_cache_config():
+    o = ConnectorOptions()
+    s = spec_for_vllm(vllm_config(tp=2), kv_config(heads=4), o, tp_rank=1)
+    assert (s.model_id, s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, s.chunk_tokens, s.tp_rank, s.tp_size) \
+        == ("org/model@abc123", 4, 4, 128, "bfloat16", 256, 1, 2)
+    assert spec_for_vllm(vllm_config(), kv_config(block=128), o).chunk_tokens == 256
+    assert spec_for_vllm(vllm_config(), kv_config(block=96), o).chunk_tokens == 288  # a multiple of the block
+    assert spec_for_vllm(vllm_config(), kv_config(), ConnectorOptions(chunk_tokens=64)).chunk_tokens == 64
+    # the same weights in fp32 compute give other KV values, even stored as bf16
+    s32 = spec_for_vllm(vllm_config(dtype=torch.float32), kv_config(), o)
+    assert s32.model_id == "org/model@abc123#compute=float32" and s32 != spec_for_vllm(vllm_config(), kv_config(), o)
+    assert spec_for_vllm(vllm_config(), kv_config(), o, lora_id="ad@1").lora_id == "ad@1"
+    for cfg, kv, why in ((vllm_config(), kv_config(groups=2), "KV cache groups"),
+                         (vllm_config(), kv_config(kind=SlidingWindowSpec), "full attention"),
+                         (vllm_config(pp=2), kv_config(), "pipeline"),
+                         (vllm_config(), kv_config(block=16), "multiple")):
+        opts = ConnectorOptions(chunk_tokens=24) if why == "multiple" else o
+        with pytest.raises(ValueError, match=why):
+            spec_for_vllm(cfg, kv, opts)
+
+
+def test_save_copies_default_to_inline_on_the_cpu_only():
+    assert not background_save_copy(ConnectorOptions(), "cpu")
+    assert background_save_copy(ConnectorOptions(), "cuda")
+    assert background_save_copy(ConnectorOptions(save_copy="background"), "cpu")
+    assert not background_save_copy(ConnectorOptions(save_copy="inline"), "cuda")
+
+
+def test_lora_identity_fingerprints_local_adapters(tmp_path):
+    assert lora_identity(None, {}) is None
+    assert lora_identity(NS(lora_name="sql", lora_path="hub/sql-lora"), {}) == "sql"
+    d = tmp_path / "adapter"
+    d.mkdir()
+    (d / "adapter_config.json").write_text('{"r": 8}')
+    (d / "adapter_model.safetensors").write_bytes(b"lora")
+    memo = {}
+    first = lora_identity(NS(lora_name="sql", lora_path=str(d)), memo)
+    assert first.startswith("sql@") and memo == {str(d): first[4:]}
+    (d / "adapter_config.json").write_text('{"r": 16}')  # another adapter config: another identity
+    assert lora_identity(NS(lora_name="sql", lora_path=str(d)), {}) != first
+    assert os.path.isdir(d)

@@ -1,0 +1,108 @@
+"""Test harness: a tiny random-weight Llama on disk, and real vLLM engines as Ray actors pinned to nodes.
+
+Each engine is `Engine` in its own Ray actor process (VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's scheduler and
+worker, and so both halves of the connector, run in that process, which is connected to the cluster and uses its
+node's KVNode). Every cache vLLM, torch and the tokenizer stack write goes under the test's work directory.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOCAB = 4096
+MAX_LEN = 2048
+CONNECTOR = {"kv_connector": "KVMeshConnector", "kv_connector_module_path": "kvmesh.integrations.vllm",
+             "kv_role": "kv_both"}
+
+
+def make_model(out: str, seed: int = 0) -> str:
+    """A random-weight Llama (2 layers, 2 KV heads of 64), bf16, saved where vLLM and transformers load it.
+    initializer_range 0.1 keeps greedy outputs prompt-dependent, so "identical outputs" means something."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=MAX_LEN,
+                      initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def engine_env(workdir: str) -> dict[str, str]:
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "VLLM_CACHE_ROOT": os.path.join(workdir, "vllm-cache"), "XDG_CACHE_HOME": os.path.join(workdir, "xdg"),
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(workdir, "inductor"), "TMPDIR": workdir,
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": REPO}
+
+
+class Engine:
+    """One vLLM engine (in this process), driven by the test through Ray."""
+
+    def __init__(self, model_dir: str, dtype: str = "bfloat16", kvmesh: dict | None = None) -> None:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        from vllm import LLM
+
+        kw = {}
+        if kvmesh is not None:
+            kw["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": kvmesh}
+        self.llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=MAX_LEN,
+                       enforce_eager=True, disable_log_stats=False, kv_cache_memory_bytes=64 << 20, seed=0, **kw)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8, recompute: bool = False,
+                 cache_salt: str | None = None) -> list[dict]:
+        """Greedy outputs; `recompute` bypasses every prefix cache (vLLM's own and kvmesh)."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                            skip_reading_prefix_cache=True if recompute else None)
+        salt = {"cache_salt": cache_salt} if cache_salt else {}
+        outs = self.llm.generate([{"prompt_token_ids": p, **salt} for p in prompts], sp, use_tqdm=False)
+        return [{"ids": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outs]
+
+    def prompt_tokens_by_source(self) -> dict[str, int]:
+        return {m.labels["source"]: int(m.value) for m in self.llm.get_metrics()
+                if m.name == "vllm:prompt_tokens_by_source"}
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """The connector's counters: its scheduler side and its worker side."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        sched = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+        return {"scheduler": dict(sched.counts) if sched is not None else {},
+                "worker": dict(get_kv_transfer_group().counts) if has_kv_transfer_group() else {}}
+
+    def kvmesh_spec(self) -> bytes:
+        """The connector's KVSpec (canonical bytes), for the test to look chunks up under it."""
+        return self.llm.llm_engine.engine_core.engine_core.scheduler.connector.spec.canonical_bytes()
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+def start_engine(node_id: str, workdir: str, model_dir: str, **kw):
+    """An `Engine` actor on Ray node `node_id` (hard affinity); construction runs in the background."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ray.remote(Engine).options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        runtime_env={"env_vars": engine_env(workdir)}).remote(model_dir, **kw)
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}

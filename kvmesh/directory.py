@@ -385,7 +385,9 @@ class Directory:
         Reads only that incarnation's own index and the groups it names: the cost is the node's own groups, never
         a scan of the keyspace. Readers already ignore such entries; this returns their memory."""
         own = self.own_key(incarnation)
-        groups = list(self._redis.smembers(own))
+        # and the groups this process registered it in: a Redis that restarted empty lost the index of what was
+        # written to it before the node noticed (the node believed those groups indexed already)
+        groups = list(set(self._redis.smembers(own)) | self._owned.get(incarnation, set()))
         removed = 0
         for i in range(0, len(groups), 256):
             removed += sum(int(n or 0) for n in self._run_scripts(

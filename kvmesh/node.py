@@ -82,7 +82,8 @@ class KVNode:
         self._lock = threading.Lock()  # guards the tier, pins and stats
         self._pins: dict[int, tuple[list[int], float]] = {}  # pin id -> (slots, monotonic deadline)
         self._pin_ids = itertools.count(1)
-        self._dirty = False  # a directory update failed; re-register everything on the next heartbeat
+        self._dirty = False  # a directory update failed; its changes are sent again on the next heartbeat
+        self._unregistered = False  # a re-registration after a resync failed; it is redone on the next heartbeat
         self.fenced = False  # a newer incarnation of this node exists; stop registering
         cfg = self.config
         node_tag = node_id[:16].lower()
@@ -468,10 +469,14 @@ class KVNode:
                 for group, keys in groups.items():
                     self.directory.register(self.lease, tier, group, keys)
         except redis.RedisError as e:
-            self._dirty = True
+            # Put the changes back (newer ones made meanwhile win) so the next heartbeat sends them again: a
+            # removal that did not reach Redis must not leave the entry behind. Both calls are idempotent.
             with self._lock:
+                for change, tier in changes.items():
+                    self.cascade.changes.setdefault(change, tier)
                 self.stats_counts["directory_errors"] += 1
-            log.warning("KVNode %s: directory update failed (%s); will re-register", self.node_id[:8], e)
+            self._dirty = True
+            log.warning("KVNode %s: directory update failed (%s); will retry", self.node_id[:8], e)
 
     # -- maintenance ---------------------------------------------------------------------------------------------
     def _maintain(self) -> None:
@@ -493,8 +498,11 @@ class KVNode:
                     self.fenced = True
                     log.warning("KVNode %s incarnation %d was superseded; no longer registering",
                                 self.node_id[:8], self.lease.incarnation)
-                elif self._dirty:
+                elif self._unregistered:
                     self._reregister()
+                elif self._dirty:
+                    self._dirty = False
+                    self._sync_directory()
             except redis.RedisError as e:
                 with self._lock:
                     self.stats_counts["directory_errors"] += 1
@@ -626,9 +634,13 @@ class KVNode:
     def _resync(self) -> None:
         """The directory lost this node (restarted empty, or failed over): re-join under a new incarnation so
         nothing registered before can be mistaken for current, then register everything held."""
-        self.lease = self.directory.join(self.info, self._lease_ms, self.lease.incarnation)
-        if self.lease.previous:
-            self._to_purge.append(self.lease.previous)
+        old = self.lease.incarnation
+        self.lease = self.directory.join(self.info, self._lease_ms, old)
+        # What the old incarnation registered in this Redis before the heartbeat noticed (an emptied Redis does
+        # not know it as "previous") is dead now; give its memory back too.
+        for inc in dict.fromkeys((self.lease.previous, old)):
+            if inc and inc != self.lease.incarnation:
+                self._to_purge.append(inc)
         with self._lock:
             self.stats_counts["resyncs"] += 1
         log.warning("KVNode %s re-joined the directory as incarnation %d", self.node_id[:8], self.lease.incarnation)
@@ -636,19 +648,16 @@ class KVNode:
         self._reregister()
 
     def _reregister(self) -> None:
-        self._dirty = False
+        self._unregistered = True  # until every held chunk is registered under the current incarnation
         with self._lock:
             chunks = self.cascade.ready_chunks()
             self.cascade.drain()  # everything is registered afresh below
         by_tier: dict[int, dict[bytes, list[bytes]]] = defaultdict(lambda: defaultdict(list))
         for group, key, tier in chunks:
             by_tier[tier][group].append(key)
-        try:
-            for tier, groups in by_tier.items():
-                self.directory.register_many(self.lease, tier, groups)
-        except redis.RedisError:
-            self._dirty = True
-            raise
+        for tier, groups in by_tier.items():  # a RedisError leaves _unregistered set: the next heartbeat redoes it
+            self.directory.register_many(self.lease, tier, groups)
+        self._unregistered = False
 
     def stats(self) -> dict:
         with self._lock:
@@ -683,7 +692,7 @@ class KVNode:
             self.cascade.check_integrity(verify_checksums=verify_checksums)
             held = {(g, k[:FIELD_BYTES]): t for g, k, t in self.cascade.ready_chunks()}
         if directory and not self.fenced:
-            assert not self._dirty, "directory updates are still pending"
+            assert not (self._dirty or self._unregistered), "directory updates are still pending"
             listed = self.directory.entries_of(self.lease.incarnation)
             unfindable = held.keys() - listed.keys()
             phantom = listed.keys() - held.keys()

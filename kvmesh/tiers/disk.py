@@ -55,8 +55,10 @@ class Recovered:
 class DiskTier(SlotPool):
     tier_id = TIER_DISK
 
-    def __init__(self, directory: str, num_slots: int, slot_bytes: int, direct_io: bool = True) -> None:
+    def __init__(self, directory: str, num_slots: int, slot_bytes: int, direct_io: bool = True,
+                 lock_fd: int | None = None) -> None:
         super().__init__(num_slots, slot_bytes)
+        self._lock_fd = lock_fd  # the claim on `directory` (claim_directory), released by close()
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.path = os.path.join(directory, "chunks.slab")
@@ -167,12 +169,47 @@ class DiskTier(SlotPool):
         self._pwrite_all(self._fd, bytes(HEADER), self._offset(slot))
 
     def close(self) -> None:
-        for fd in (self._dfd, self._fd):
+        for fd in (self._dfd, self._fd, self._lock_fd):
             if fd is not None:
                 os.close(fd)
-        self._dfd = self._fd = None
+        self._dfd = self._fd = self._lock_fd = None
         if not self._zero.closed:
             self._zero.close()
+
+
+def claim_directory(root: str, node_id: str) -> tuple[str, int]:
+    """A directory of `root` for one KVNode's disk tier, locked (flock) for as long as the returned fd is open.
+
+    Disk tiers are not tied to a Ray node id, which changes whenever a raylet or machine restarts: a KVNode takes
+    the directory its node had before if it is free, else any free directory that holds chunks (a new raylet on the
+    same machine adopts what an earlier one left: every chunk is verified and content-addressed, so any KVNode can
+    serve it), else a new one. Two live KVNodes never share one, even on one machine (a local multi-node cluster)."""
+    import fcntl
+
+    os.makedirs(root, exist_ok=True)
+    names = sorted(n for n in os.listdir(root) if n.startswith("kvmesh-disk-"))
+
+    def owner(name: str) -> str:
+        try:
+            with open(os.path.join(root, name, "owner")) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+    names.sort(key=lambda n: (owner(n) != node_id, not os.path.exists(os.path.join(root, n, "chunks.slab"))))
+    fresh = [n for n in (f"kvmesh-disk-{i:03d}" for i in range(len(names) + 64)) if n not in names]
+    for name in names + fresh:
+        path = os.path.join(root, name)
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live KVNode has it
+            os.close(fd)
+            continue
+        with open(os.path.join(path, "owner"), "w") as f:
+            f.write(node_id)
+        return path, fd
+    raise OSError(errno.EAGAIN, f"no free disk tier directory under {root}")
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:

@@ -3,7 +3,6 @@ same node: it recovers what is intact on disk under a new incarnation, and nothi
 
 import os
 import signal
-import time
 
 import ray
 import torch
@@ -27,9 +26,9 @@ def kv(i: int) -> torch.Tensor:
     return torch.randn(SPEC.kv_shape(32 * 6), generator=g).to(torch.bfloat16)
 
 
-def w_store_many(n: int) -> int:
+def w_store_many(first: int, n: int) -> int:
     c = kvmesh.connect(SPEC)
-    handed = sum(c.store(prompt(i), kv(i)) for i in range(n))  # no flush: the node is killed meanwhile
+    handed = sum(c.store(prompt(i), kv(i)) for i in range(first, first + n))  # no flush: the node is killed meanwhile
     c.close()
     return handed
 
@@ -53,9 +52,18 @@ def test_kvnode_killed_mid_write_comes_back_with_only_intact_chunks(mesh, ray_cl
     actor = node_actors()[d]
     before = ray.get(actor.stats.remote())
     assert before["disk_capacity_bytes"] == 256 * SPEC.chunk_bytes
-    assert on_node(d, w_store_many, 30) > 0
-    time.sleep(0.3)  # writes are under way
-    os.kill(before["pid"], signal.SIGKILL)
+    # kill it while disk writes are queued or running (stores land in the CPU tier first; write-through goes on in
+    # the background): look, and store more until the node reports writes in flight
+    stored = on_node(d, w_store_many, 0, 30)  # a first batch that reaches the disk in full
+    wait_until(lambda: ray.get(actor.stats.remote())["disk_pending_io"] == 0, 30)
+    for batch in range(1, 10):
+        stored += on_node(d, w_store_many, 30 * batch, 30)
+        if ray.get(actor.stats.remote())["disk_pending_io"] > 0:
+            os.kill(before["pid"], signal.SIGKILL)
+            break
+    else:
+        raise AssertionError("never saw a disk write in flight")
+    assert stored > 0
     # Ray restarts the actor on its node; the new process recovers the disk tier under a new incarnation
     after = wait_until(lambda: _stats(actor, before["pid"]), 60, interval_s=0.5)
     assert after["incarnation"] != before["incarnation"]
@@ -63,7 +71,7 @@ def test_kvnode_killed_mid_write_comes_back_with_only_intact_chunks(mesh, ray_cl
     after = ray.get(actor.stats.remote())
     assert after["disk_recovered"] > 0  # something survived, and was verified before being registered
     a = mesh.node_ids[0]
-    results = on_node(a, w_fetch_all, 30)
+    results = on_node(a, w_fetch_all, 30 * (batch + 1))
     assert all(intact for _n, intact in results), "a fetched chunk differs from what was stored"
     assert sum(n for n, _ in results) > 0
     ray.get(actor.check_integrity.remote(False))

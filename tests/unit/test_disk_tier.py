@@ -81,3 +81,24 @@ def test_injected_enospc_raises_and_changes_nothing(disk):
     assert e.value.errno == 28
     disk.abort_store(t)
     assert disk.recover() == [] and len(disk) == 0
+
+
+def test_disk_directories_are_claimed_one_per_live_node_and_outlive_node_ids(tmp_path):
+    import os
+
+    from kvmesh.tiers.disk import claim_directory
+
+    a, fa = claim_directory(str(tmp_path), "node-a")
+    b, fb = claim_directory(str(tmp_path), "node-b")
+    assert a != b  # two live KVNodes on one machine never share a disk tier
+    open(os.path.join(a, "chunks.slab"), "w").close()
+    os.close(fa)  # node-a's process is gone
+    again, fa2 = claim_directory(str(tmp_path), "node-a")
+    assert again == a  # a restarted KVNode takes its own directory back
+    os.close(fa2)
+    other, fc = claim_directory(str(tmp_path), "node-c")  # a raylet restart: a new node id on this machine
+    assert other == a  # adopts the free directory that holds chunks, not an empty one
+    d, fd = claim_directory(str(tmp_path), "node-d")
+    assert d not in (a, b)
+    for f in (fb, fc, fd):
+        os.close(f)

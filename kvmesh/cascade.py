@@ -23,10 +23,11 @@ also writes every chunk that lands in the CPU tier, so a restarted node finds ev
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvmesh.tiers import TIER_CPU, TIER_DISK, TIER_GPU
+from kvmesh.tiers import TIER_CPU, TIER_DISK, TIER_GPU, TIER_NAMES
 from kvmesh.tiers.cpu import CpuTier
 from kvmesh.tiers.slots import SlotPool, StoreTicket
 
@@ -77,6 +78,10 @@ class Cascade:
                                                   "disk_writes": 0, "disk_reads": 0, "disk_write_errors": 0,
                                                   "disk_read_errors": 0, "disk_checksum_failures": 0,
                                                   "write_buffers_full": 0, "writeback_hits": 0})
+    # chunks and bytes moved between this node's tiers, by (from, to) tier name; evictions by the tier they left
+    flows: Counter = field(default_factory=Counter)
+    flow_bytes: Counter = field(default_factory=Counter)
+    evictions: Counter = field(default_factory=Counter)
     _writes: list = field(default_factory=list)
     _pool: list = field(default_factory=list)  # free write-back buffers
     _pool_made: int = 0
@@ -130,6 +135,7 @@ class Cascade:
         def on_evict(slot: int) -> None:
             rec = tier.record(slot)
             key = rec.key
+            self.evictions[TIER_NAMES[tier.tier_id]] += 1
             if tier is self.gpu and self.cpu.slot_of(key) is None:
                 self._copy(self.gpu, slot, self.cpu)  # demote instead of dropping
                 self.counts["demotions"] += 1
@@ -186,6 +192,7 @@ class Cascade:
         if ok:
             self.disk.complete_store(job.ticket, job.checksum)
             self.counts["disk_writes"] += 1
+            self._flow(self.cpu, self.disk, job.nbytes)
         else:
             self.disk.abort_store(job.ticket)
             self.counts["disk_write_errors"] += 1
@@ -201,9 +208,15 @@ class Cascade:
             return None
         _bytes(dst.buffer(t.slot))[: rec.nbytes].copy_(_bytes(src.buffer(slot))[: rec.nbytes])
         dst.complete_store(t, rec.checksum)
+        self._flow(src, dst, rec.nbytes)
         if dst is self.cpu:
             self._write_through(t.slot)
         return t.slot
+
+    def _flow(self, src: SlotPool, dst: SlotPool, nbytes: int) -> None:
+        route = (TIER_NAMES[src.tier_id], TIER_NAMES[dst.tier_id])
+        self.flows[route] += 1
+        self.flow_bytes[route] += nbytes
 
     # -- reading ------------------------------------------------------------------------------------------------
     def prepare_host(self, keys: list[bytes]) -> tuple[int, list[DiskRead]]:
@@ -252,6 +265,7 @@ class Cascade:
                 self.cpu.complete_store(r.ticket, r.checksum)
                 self.changes[(self.cpu.record(r.ticket.slot).group, r.key)] = self.best_tier(r.key)
                 self.counts["disk_reads"] += 1
+                self._flow(self.disk, self.cpu, r.nbytes)
             else:
                 self.cpu.abort_store(r.ticket)
                 good = min(good, keys.index(r.key))

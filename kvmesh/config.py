@@ -148,7 +148,9 @@ class KVMeshConfig:
             raise ValueError(str(e)) from None
 
 
-_NOT_OPTIONS = {"KVMESH_CONFIG", "KVMESH_REDIS_SERVER", "KVMESH_COMMIT", "KVMESH_STATE_DIR"}
+# kvmesh's own environment variables that are not options (so that KVMESH_* typos are still caught)
+_NOT_OPTIONS = {"KVMESH_CONFIG", "KVMESH_REDIS_SERVER", "KVMESH_REDIS_TLS_SERVER", "KVMESH_COMMIT", "KVMESH_STATE_DIR",
+                "KVMESH_DEBUG", "KVMESH_RAY_NODE_ID"}
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 
@@ -181,3 +183,21 @@ def _convert(name: str, value, typ: str, where: str):
         return str(value)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (if any) replaced by `***`: for pages, logs and messages."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unreadable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import redis
 
+from kvmesh.config import redact_url
 from kvmesh.directory import Directory
 from kvmesh.telemetry import Records
 
@@ -29,7 +30,7 @@ PAGE = (Path(__file__).parent / "dashboard.html").read_text()
 class Dashboard:
     def __init__(self, redis_url: str, key_prefix: str = "kvmesh", host: str = "127.0.0.1", port: int = 0,
                  chunk_tokens: int = 256) -> None:
-        self.redis_url = redis_url
+        self.redis_url = redact_url(redis_url)  # what the page and messages show: never the password
         self.directory = Directory(redis_url, key_prefix, timeout_s=2.0)
         self.records = Records(self.directory.redis, key_prefix)
         self.chunk_tokens = chunk_tokens
@@ -38,12 +39,16 @@ class Dashboard:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._started = False
+        self.api_requests = 0  # how often pages polled the state (each open page does once a second)
         dash = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's name)
                 if self.path.startswith("/api/state"):
-                    body, kind = json.dumps(dash.state()).encode(), "application/json"
+                    with dash._lock:
+                        dash.api_requests += 1
+                        n = dash.api_requests
+                    body, kind = json.dumps({**dash.state(), "api_requests": n}).encode(), "application/json"
                 elif self.path in ("/", "/index.html"):
                     body, kind = PAGE.encode(), "text/html; charset=utf-8"
                 else:

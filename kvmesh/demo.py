@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -136,8 +137,8 @@ def run_demo(o: DemoOptions, out=print) -> dict:
         out(format_table(summary))
         summary["wall_s"] = time.perf_counter() - t_start
         if o.linger:
-            out(f"the live page stays up for {o.linger} s: {dashboard.url}")
-            time.sleep(o.linger)
+            out(f"the live page stays up for {o.linger} s (Enter ends it): {dashboard.url}")
+            _linger(o.linger)
         return summary
     finally:
         if dashboard is not None:
@@ -149,6 +150,20 @@ def run_demo(o: DemoOptions, out=print) -> dict:
             if cluster is not None:
                 cluster.shutdown()
             redis_server.stop()
+
+
+def _linger(seconds: float) -> None:
+    """Sleep `seconds`, or until a line arrives on stdin (an end of input, as from /dev/null, does not count)."""
+    done = threading.Event()
+
+    def wait_for_enter() -> None:
+        try:
+            if sys.stdin is not None and sys.stdin.readline():
+                done.set()
+        except (OSError, ValueError):
+            pass
+    threading.Thread(target=wait_for_enter, daemon=True).start()
+    done.wait(seconds)
 
 
 def format_table(s: dict) -> str:
@@ -185,7 +200,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker")
     p.add_argument("--port", type=int, default=d.port, help="port of the live page (default: any free one)")
-    p.add_argument("--linger", type=int, default=d.linger, help="keep the live page up this many seconds after")
+    p.add_argument("--linger", type=int, default=d.linger,
+                   help="keep the live page up this many seconds after the run (Enter ends it)")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON here")
 
 

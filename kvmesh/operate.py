@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvmesh.config import redact_url
+
 MiB = 1 << 20
 
 
@@ -52,7 +54,7 @@ def up_local(config_path: str | None, nodes: int, port: int, timeout_s: float = 
     KVMeshConfig.load(config_path)  # bad options fail here, in one line, not in the background
     st = read_state()
     if st and _alive(st["pid"]):
-        out(f"kvmesh is already up (pid {st['pid']}): ray {st['ray_address']}, redis {st['redis_url']}, "
+        out(f"kvmesh is already up (pid {st['pid']}): ray {st['ray_address']}, redis {redact_url(st['redis_url'])}, "
             f"live page {st['dashboard_url']}")
         return 0
     state_dir().mkdir(parents=True, exist_ok=True)
@@ -68,7 +70,7 @@ def up_local(config_path: str | None, nodes: int, port: int, timeout_s: float = 
         st = read_state()
         if st:
             out(f"kvmesh is up: {len(st['nodes'])} node(s)\n  ray address  {st['ray_address']}\n"
-                f"  redis        {st['redis_url']}\n  live page    {st['dashboard_url']}\n"
+                f"  redis        {redact_url(st['redis_url'])}\n  live page    {st['dashboard_url']}\n"
                 f"  workers: ray.init(address=\"{st['ray_address']}\"); kvmesh.connect(spec)\n"
                 f"  stop with: kvmesh down")
             return 0
@@ -152,7 +154,7 @@ def up_join(address: str, config_path: str | None, redis_url: str | None, host: 
                                                 get_if_exists=True, num_cpus=0)
     actor = actor.remote(cfg.redis_url, cfg.key_prefix, host, port)
     url = ray.get(actor.url.remote(), timeout=60)
-    out(f"kvmesh is up on {address}: {len(mesh.nodes)} KVNode(s), directory {cfg.redis_url}\n  live page  {url}")
+    out(f"kvmesh is up on {address}: {len(mesh.nodes)} KVNode(s), directory {redact_url(cfg.redis_url)}\n  live page  {url}")
     return 0
 
 
@@ -174,7 +176,7 @@ def status(redis_url: str | None, key_prefix: str | None, out=print) -> int:
         s = dash.state()
         dash.stop()
     except (redis.RedisError, OSError) as e:
-        out(f"kvmesh status: no kvmesh directory reachable at {url} ({e})")
+        out(f"kvmesh status: no kvmesh directory reachable at {redact_url(url)} ({e})")
         return 1
     if s.get("error"):
         out(f"kvmesh status: {s['error']}")

@@ -31,13 +31,19 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
                             "spec_mismatch, directory_error, cost_model, deadline, checksum, peer_error"),
     "kvmesh_reused_tokens_total": ("counter", ("node", "source"), "prompt tokens whose KV was reused (local, peer)"),
     "kvmesh_recomputed_tokens_total": ("counter", ("node",), "prompt tokens prefilled"),
-    "kvmesh_fetched_bytes_total": ("counter", ("node", "source"), "bytes fetched by workers, by source"),
+    "kvmesh_fetched_bytes_total": ("counter", ("node", "source", "tier", "dst"),
+                                   "bytes fetched by workers: source local|peer, the holder's tier, the "
+                                   "destination device type (cpu, cuda)"),
     "kvmesh_transfer_seconds": ("histogram", ("node", "source"), "time of one fetch run (a batch of chunks)"),
     "kvmesh_directory_rtt_seconds": ("histogram", ("node",), "directory lookup round trip"),
     "kvmesh_pull_failures_total": ("counter", ("node", "cause"), "failed pulls by cause"),
     "kvmesh_stored_chunks_total": ("counter", ("node",), "chunks stored into the node's tiers"),
     "kvmesh_served_bytes_total": ("counter", ("node", "peer"), "bytes a node served, by requesting node"),
-    "kvmesh_evictions_total": ("counter", ("node",), "chunks evicted from a tier"),
+    "kvmesh_evictions_total": ("counter", ("node", "tier"), "chunks evicted from a tier"),
+    "kvmesh_tier_moves_total": ("counter", ("node", "src", "dst"),
+                                "chunks copied between a node's tiers (demotions gpu->cpu, cpu->disk; promotions "
+                                "cpu->gpu; disk hits disk->cpu)"),
+    "kvmesh_tier_moved_bytes_total": ("counter", ("node", "src", "dst"), "bytes copied between a node's tiers"),
     "kvmesh_demotions_total": ("counter", ("node",), "chunks moved down a tier instead of dropped"),
     "kvmesh_promotions_total": ("counter", ("node",), "chunks copied up a tier on a hit"),
     "kvmesh_drops_total": ("counter", ("node",), "chunks that left the node"),
@@ -141,8 +147,6 @@ CLIENT_EXPORTS = {
     "reused_tokens_local": ("kvmesh_reused_tokens_total", {"source": "local"}),
     "reused_tokens_peer": ("kvmesh_reused_tokens_total", {"source": "peer"}),
     "recomputed_tokens": ("kvmesh_recomputed_tokens_total", {}),
-    "fetched_bytes_local": ("kvmesh_fetched_bytes_total", {"source": "local"}),
-    "fetched_bytes_peer": ("kvmesh_fetched_bytes_total", {"source": "peer"}),
 }
 
 
@@ -166,6 +170,9 @@ class ClientExporter:
                 self.ray.inc(name, v, node=self.node, **tags)
             elif k.startswith("miss_"):
                 self.ray.inc("kvmesh_misses_total", v, node=self.node, reason=k[5:])
+            elif k.startswith("fetched_bytes:"):  # fetched_bytes:<source>:<tier>:<dst>
+                _, source, tier, dst = k.split(":")
+                self.ray.inc("kvmesh_fetched_bytes_total", v, node=self.node, source=source, tier=tier, dst=dst)
             elif k.startswith("pull_failure_"):
                 self.ray.inc("kvmesh_pull_failures_total", v, node=self.node, cause=k[13:])
         for name, source, seconds in samples:
@@ -187,7 +194,15 @@ class ClientExporter:
 
 def export_node_stats(ray_exp: RayExporter, node: str, stats: dict, last: dict) -> None:
     """A KVNode's stats snapshot -> Ray gauges and counter deltas (`last` holds the previous snapshot)."""
-    for name, key in (("kvmesh_evictions_total", "evictions"), ("kvmesh_demotions_total", "demotions"),
+    for tier, n in stats.get("evictions_by_tier", {}).items():
+        ray_exp.inc("kvmesh_evictions_total", n - last.get("evictions_by_tier", {}).get(tier, 0), node=node,
+                    tier=tier)
+    before = {(a, b): (n, nb) for a, b, n, nb in last.get("tier_flows", [])}
+    for src, dst, n, nbytes in stats.get("tier_flows", []):
+        n0, b0 = before.get((src, dst), (0, 0))
+        ray_exp.inc("kvmesh_tier_moves_total", n - n0, node=node, src=src, dst=dst)
+        ray_exp.inc("kvmesh_tier_moved_bytes_total", nbytes - b0, node=node, src=src, dst=dst)
+    for name, key in (("kvmesh_demotions_total", "demotions"),
                       ("kvmesh_promotions_total", "promotions"), ("kvmesh_drops_total", "drops"),
                       ("kvmesh_corrupt_chunks_total", "corrupt_dropped"),
                       ("kvmesh_stored_chunks_total", "stored_chunks")):

@@ -25,8 +25,9 @@ panels = [
     panel(4, "Traffic: bytes served by node to each reader",
           [("sum by (node, peer) (rate(ray_kvmesh_served_bytes_total[1m]))", "{{node}} -> {{peer}}")],
           "Bps", 12, 8),
-    panel(5, "Bytes fetched by workers, by source",
-          [("sum by (source) (rate(ray_kvmesh_fetched_bytes_total[1m]))", "{{source}}")], "Bps", 0, 16),
+    panel(5, "Bytes fetched by workers: source, holder's tier, destination",
+          [("sum by (source, tier, dst) (rate(ray_kvmesh_fetched_bytes_total[1m]))", "{{source}} {{tier}} -> {{dst}}")],
+          "Bps", 0, 16),
     panel(6, "Transfer latency (one fetch run)",
           [("histogram_quantile(0.5, sum by (le, source) (rate(ray_kvmesh_transfer_seconds_bucket[5m])))",
             "p50 {{source}}"),
@@ -43,7 +44,7 @@ panels = [
                                ("sum by (tier) (ray_kvmesh_tier_capacity_bytes)", "capacity {{tier}}"),
                                ("sum by (tier) (ray_kvmesh_tier_chunks)", "chunks {{tier}}")], "bytes", 0, 32),
     panel(10, "Evictions, demotions, promotions, drops",
-          [("sum(rate(ray_kvmesh_evictions_total[1m]))", "evictions"),
+          [("sum by (tier) (rate(ray_kvmesh_evictions_total[1m]))", "evictions from {{tier}}"),
            ("sum(rate(ray_kvmesh_demotions_total[1m]))", "demotions"),
            ("sum(rate(ray_kvmesh_promotions_total[1m]))", "promotions"),
            ("sum(rate(ray_kvmesh_drops_total[1m]))", "drops"),
@@ -52,6 +53,10 @@ panels = [
           [("sum by (cause) (rate(ray_kvmesh_pull_failures_total[5m]))", "pull {{cause}}"),
            ("sum(rate(ray_kvmesh_corrupt_chunks_total[5m]))", "corrupt chunks"),
            ("sum by (errno) (rate(ray_kvmesh_disk_errors_total[5m]))", "disk {{errno}}")], "ops", 0, 40, 24),
+    panel(12, "Moves between tiers (demotions, promotions, disk hits)",
+          [("sum by (src, dst) (rate(ray_kvmesh_tier_moved_bytes_total[1m]))", "{{src}} -> {{dst}}")], "Bps", 0, 48),
+    panel(13, "Chunks moved between tiers",
+          [("sum by (src, dst) (rate(ray_kvmesh_tier_moves_total[1m]))", "{{src}} -> {{dst}}")], "ops", 12, 48),
 ]
 
 dashboard = {

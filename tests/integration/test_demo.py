@@ -1,7 +1,22 @@
-"""The main job, end to end, as a user runs it (small settings to keep CI short)."""
+"""The main job, end to end, as a user runs it (small settings to keep CI short), and its live page in a real
+headless Chromium while it runs."""
 
+import json
+import os
+import queue
+import re
+import shutil
 import subprocess
 import sys
+import threading
+import urllib.request
+
+import pytest
+
+from tests.conftest import wait_until
+
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
+         "--no-first-run", "--disable-component-update", "--disable-sync"]
 
 
 def service_pids() -> set[int]:
@@ -9,24 +24,107 @@ def service_pids() -> set[int]:
     return {int(p) for p in r.stdout.split()}
 
 
-def test_kvmesh_demo_runs_and_cleans_up(tmp_path):
+def chromium() -> str:
+    browser = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    if browser is None:  # `make test` installs Debian's chromium; a page test that skips proves nothing
+        pytest.fail("no Chromium on this machine: install Debian's chromium package (make test does, as root)")
+    return browser
+
+
+def text_of(dom: str, element_id: str) -> str:
+    m = re.search(rf'id="{element_id}"[^>]*>([^<]*)<', dom)
+    assert m, f"no #{element_id} in the page"
+    return m.group(1)
+
+
+def fmt_n(n: int) -> str:
+    return f"{n:,}"
+
+
+def pct(x) -> str:
+    return "–" if x is None else f"{100 * x:.1f} %"
+
+
+def check_page(browser: str, url: str, tmp_path, summary_rows: dict) -> None:
+    def state():
+        return json.load(urllib.request.urlopen(url + "api/state", timeout=10))
+    # the workers' counters reach the directory on their telemetry interval
+    api = wait_until(lambda: (s := state()).get("reused_tokens") == summary_rows["reused"] and s, 30)
+    polls_before = api["api_requests"]
+    env = dict(os.environ, HOME=str(tmp_path))
+    dom = subprocess.run([browser, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
+                          "--dump-dom", url], capture_output=True, text=True, timeout=120, env=env).stdout
+    assert "kvmesh" in dom and "connecting" not in dom, dom[:2000]
+    after = state()
+    # the page refreshes itself: it polled the state several times while it was open (once a second)
+    assert after["api_requests"] - polls_before - 1 >= 3, (polls_before, after["api_requests"])  # (-1: ours)
+    # the numbers are the running cluster's: the demo's own count of reused and recomputed tokens, and the directory's
+    assert text_of(dom, "reused") == fmt_n(summary_rows["reused"]) == fmt_n(api["reused_tokens"])
+    assert text_of(dom, "recomputed") == fmt_n(api["recomputed_tokens"])
+    assert text_of(dom, "lookups") == fmt_n(api["lookups"]) and api["lookups"] >= summary_rows["requests"]
+    assert text_of(dom, "hitrate") == pct(api["hit_rate"]) and api["hit_rate"] > 0
+    assert text_of(dom, "share") == pct(api["reuse_fraction"])
+    alive = [n for n in api["nodes"] if n["alive"]]
+    assert len(alive) == 3
+    for n in alive:  # every node with its incarnation and its CPU tier's occupancy
+        row = re.search(rf"<tr><td><code>{n['node_id'][:10]}</code>.*?</tr>", dom)
+        assert row and "alive" in row.group(0) and str(n["incarnation"]) in row.group(0), n["node_id"]
+        cpu = next(t for t in n["tiers"] if t["tier"] == "cpu")
+        assert f"({cpu['chunks']})" in row.group(0) and "cpu" in row.group(0)  # its CPU tier, chunks held
+    assert sum(next(t for t in n["tiers"] if t["tier"] == "cpu")["used_bytes"] for n in alive) > 0
+    assert api["traffic"] and all(t["bytes"] > 0 for t in api["traffic"])  # peers served each other
+    traffic = dom[dom.index('id="traffic"'):dom.index('id="prefixes"')]
+    assert all(t["from"][:10] in traffic and (t["to"][:10] in traffic or t["to"] == t["from"] and "same node" in traffic)
+               for t in api["traffic"])
+    prefixes = dom[dom.index('id="prefixes"'):dom.index('id="misses"')]
+    assert api["top_prefixes"] and api["top_prefixes"][0]["group"][:16] in prefixes  # the most reused prefix
+    misses = dom[dom.index('id="misses"'):]
+    assert "not cached" in misses  # each document's first request missed, with its reason
+    shot = tmp_path / "page.png"
+    r = subprocess.run([browser, *FLAGS, f"--user-data-dir={tmp_path / 'profile2'}", "--virtual-time-budget=5000",
+                        "--window-size=1400,1100", f"--screenshot={shot}", url], capture_output=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kvmesh_demo_runs_shows_its_live_page_and_cleans_up(tmp_path):
+    browser = chromium()
     out = tmp_path / "demo.json"
     before = service_pids()
     cmd = [sys.executable, "-m", "kvmesh.cli", "demo", "--nodes", "3", "--docs", "2", "--questions", "3",
            "--doc-tokens", "512", "--chunk-tokens", "64", "--hidden-size", "128", "--layers", "2",
-           "--new-tokens", "4", "--cpu-mib", "64", "--threads", "1", "--json", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
+           "--new-tokens", "4", "--cpu-mib", "64", "--threads", "1", "--json", str(out), "--linger", "300"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)], daemon=True).start()
+    printed = []
+    try:
+        while True:
+            line = lines.get(timeout=600)
+            assert line is not None, "".join(printed)
+            printed.append(line)
+            if "the live page stays up" in line:
+                break
+        stdout = "".join(printed)
+        url = re.search(r"live page: (http://\S+)", stdout).group(1)
+        assert line.rstrip().endswith(url)  # the same URL, printed again for the user
+        reused = int(re.search(r"\| prefix tokens reused\s+\| (\d+)", stdout).group(1))
+        check_page(browser, url, tmp_path, {"reused": reused, "requests": 6})
+        proc.stdin.write("\n")  # Enter ends the linger
+        proc.stdin.flush()
+        assert proc.wait(timeout=120) == 0, stdout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert service_pids() - before == set(), "the demo left processes running"
     for row in ("requests", "prefix tokens reused", "from a peer node", "tokens recomputed",
                 "wall time without kvmesh", "wall time with kvmesh", "output check"):
-        assert row in r.stdout
-    import json
-
+        assert row in stdout
     s = json.loads(out.read_text())
     assert s["requests"] == 6 and s["outputs_identical"] is True
     assert s["reused_peer_tokens"] > 0 and s["reused_tokens"] == s["reused_local_tokens"] + s["reused_peer_tokens"]
     # 2 documents x 3 questions: every request after a document's first reuses its 512 tokens
-    assert s["reused_tokens"] == 4 * 512
+    assert s["reused_tokens"] == 4 * 512 == reused
     help_ = subprocess.run([sys.executable, "-m", "kvmesh.cli", "demo", "--help"], capture_output=True, text=True)
     assert help_.returncode == 0 and "--nodes" in help_.stdout

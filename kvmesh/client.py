@@ -42,6 +42,9 @@ from kvmesh.wire import (MAX_DEADLINE_MS, PullThrough, StoreItem, WireError, pac
                          unpack_chunk_header, unpack_pin_reply)
 
 log = logging.getLogger("kvmesh.client")
+DIRECTORY_RETRY_S = 5.0  # after a directory call failed, calls fail fast this long (or until a node-table read works)
+SEEN_TTL_S = 30.0  # what a lookup saw of a prompt's chunks spares its store the directory round trip this long
+MAX_SEEN = 1 << 16
 MAX_INFLIGHT_STORES = 16  # more pending stores than this and new ones are dropped (counted), never waited for
 
 # Slab and object-store buffers are read-only; torch warns when wrapping them. We only ever read them.
@@ -115,7 +118,7 @@ class KVMeshClient:
                                "local-disk": LinkModel(5e8, 5e-3), "peer-disk": LinkModel(4e8, 6e-3)})
         self.directory = Directory(config.redis_url, config.key_prefix, timeout_s=config.lookup_timeout_s)
         self._local = local_actor
-        self._slab = SlabReader(*local_slab[:2]) if local_slab else None
+        self._slab = SlabReader.open(*local_slab[:2]) if local_slab else None
         self._slab_slot_bytes = local_slab[2] if local_slab else 0
         self._actors: dict[str, object] = {}
         self._data = DataClient()
@@ -125,6 +128,8 @@ class KVMeshClient:
         self._pending_stores: list = []
         self._pending_pins: list = []  # pin replies we stopped waiting for; unpinned when they arrive
         self._table = NodeTable(None, 0, {}, (), {})
+        self._directory_down_until = 0.0  # a failed directory call makes the next ones fail fast until then
+        self._seen: dict[bytes, tuple[bool, float]] = {}  # chunk hash -> (cached, when) as a recent lookup saw it
         self._samples: list = []  # (kind, source, seconds) for the latency histograms, drained by the exporter
         self._events: list = []  # (kind, reason, detail) failures for the live page, drained by the exporter
         self._last_error: str | None = None
@@ -150,10 +155,11 @@ class KVMeshClient:
         return chunk_hashes(self.spec.namespace, as_tokens(tokens), self.spec.chunk_tokens, self._salt(cache_salt))
 
     def lookup(self, tokens, cache_salt: str | bytes | None = None, *, max_chunks: int | None = None,
-               allow_split: bool = True) -> Match:
+               allow_split: bool = True, cost_model: bool = True) -> Match:
         """`max_chunks` caps the chunks looked up (an engine must compute at least the prompt's last token);
         the plan still prices the whole prompt. `allow_split=False` plans only load-or-recompute, for engines
-        that cannot compute a front part while the rest loads."""
+        that cannot compute a front part while the rest loads. `cost_model=False`: the caller loads whatever is
+        cached (no plan; a cached prefix counts as a hit, never as the cost model's miss)."""
         toks = as_tokens(tokens)
         if max_chunks is not None and (isinstance(max_chunks, bool) or not isinstance(max_chunks, int)
                                        or max_chunks < 0):
@@ -164,14 +170,17 @@ class KVMeshClient:
         self.counts["lookups"] += 1
         holders, why = self._live_holders(hashes, prefix_only=True)
         chunks = tuple(ChunkMatch(h, hs) for h, hs in zip(hashes, holders))
+        if why != "directory_error":
+            self._remember(hashes, len(chunks))
         if not chunks and hashes:
             if why == "not_cached" and self._cached_elsewhere(toks, salt):
                 why = "spec_mismatch"
             self.counts[f"miss_{why}"] += 1
         match = Match(self.spec.namespace, self.spec.chunk_tokens, chunks, why=why or "",
                       group=hashes[0] if hashes else b"")
-        match = replace(match, plan=self.plan(match, len(toks), allow_split=allow_split))
-        if chunks and match.plan.end == 0:
+        if cost_model:
+            match = replace(match, plan=self.plan(match, len(toks), allow_split=allow_split))
+        if chunks and match.plan is not None and match.plan.end == 0:
             self.counts["miss_cost_model"] += 1
         elif chunks:
             self.counts["hits"] += 1
@@ -223,19 +232,51 @@ class KVMeshClient:
     def _live_holders(self, hashes: list[bytes], prefix_only: bool) -> tuple[list[tuple[Holder, ...]], str | None]:
         if not hashes:
             return [], None
-        t0 = time.monotonic()
         try:
-            values = self.directory.lookup_raw(hashes[0], hashes)
+            values = self._lookup_raw(hashes[0], hashes)
         except redis.RedisError as e:
-            self.counts["directory_errors"] += 1
             log.debug("lookup failed: %s", e)
             return [], "directory_error"
-        self._samples.append(("rtt", "", time.monotonic() - t0))
         table = self._current_table()
         if prefix_only:
             return self.directory.longest_prefix_why(values, table, prefer=self.node_id)
         return [r[0] if (r := self.directory.longest_prefix([v], table, prefer=self.node_id)) else ()
                 for v in values], None
+
+    def _lookup_raw(self, group: bytes, hashes: list[bytes]) -> list:
+        """The directory's entries for `hashes`, timed; a directory that failed within DIRECTORY_RETRY_S is not
+        asked again (a fast miss instead of a timeout per call) until the node-table refresh reaches it."""
+        now = time.monotonic()
+        if now < self._directory_down_until:
+            self.counts["directory_skipped"] += 1
+            raise redis.ConnectionError("the directory failed moments ago")
+        try:
+            values = self.directory.lookup_raw(group, hashes)
+        except redis.RedisError:
+            self.counts["directory_errors"] += 1
+            self._directory_down_until = time.monotonic() + DIRECTORY_RETRY_S
+            raise
+        self._samples.append(("rtt", "", time.monotonic() - now))
+        return values
+
+    def _remember(self, hashes: list[bytes], cached: int) -> None:
+        """A lookup saw the first `cached` of `hashes` cached and the rest not: what `store` needs to know."""
+        if len(self._seen) + len(hashes) > MAX_SEEN:
+            self._seen = {}
+        now = time.monotonic()
+        for i, h in enumerate(hashes):
+            self._seen[h] = (i < cached, now)
+
+    def _recently_seen(self, hashes: list[bytes]) -> list[bool] | None:
+        """Whether each of `hashes` was cached, if a lookup in the last SEEN_TTL_S saw all of them."""
+        now = time.monotonic()
+        out = []
+        for h in hashes:
+            hit = self._seen.get(h)
+            if hit is None or now - hit[1] > SEEN_TTL_S:
+                return None
+            out.append(hit[0])
+        return out
 
     def _current_table(self) -> NodeTable:
         """The node table with leases judged at this moment (Redis's clock advanced by our elapsed time)."""
@@ -251,6 +292,7 @@ class KVMeshClient:
             self.counts["directory_errors"] += 1
             return
         self._table, self._table_at = table, time.monotonic()
+        self._directory_down_until = 0.0  # it answers again
 
     def _refresh_loop(self) -> None:
         while not self._closed.wait(self.config.node_refresh_s):
@@ -297,6 +339,10 @@ class KVMeshClient:
         self.counts["fetched_chunks_peer"] += peer
         self.counts["fetched_bytes_local"] += local * self.spec.chunk_bytes
         self.counts["fetched_bytes_peer"] += peer * self.spec.chunk_bytes
+        for c in match.chunks[:got]:  # by the holder the lookup named first (the one a fetch tries first)
+            h = c.holders[0]
+            source = "local" if h.node_id == self.node_id else "peer"
+            self.counts[f"fetched_bytes:{source}:{TIER_NAMES[h.tier]}:{device.type}"] += self.spec.chunk_bytes
         if got < n:
             self.counts["fetch_truncated"] += 1
             reason = self._last_error or "peer_error"
@@ -597,7 +643,7 @@ class KVMeshClient:
             return
         if self._slab is not None:
             self._slab.close()
-        self._slab = SlabReader(hello.info.slab_path, hello.info.slab_bytes)
+        self._slab = SlabReader.open(hello.info.slab_path, hello.info.slab_bytes)
         self._slab_slot_bytes = hello.info.slot_bytes
 
     # -- store --------------------------------------------------------------------------------------------------
@@ -612,7 +658,11 @@ class KVMeshClient:
         if self._local is None:
             self.counts["store_no_local_node"] += 1
             return 0
-        held, _ = self._live_holders(hashes, prefix_only=False)
+        held = self._recently_seen(hashes)  # usually: the lookup that preceded this store saw them all
+        if held is None:
+            held, _ = self._live_holders(hashes, prefix_only=False)
+        else:
+            self.counts["store_checked_by_lookup"] += 1
         todo = [i for i in range(len(hashes)) if i >= len(held) or not held[i]]
         c = self.spec.chunk_tokens
         return self._hand_over(hashes[0], [hashes[i] for i in todo],
@@ -686,15 +736,12 @@ class KVMeshClient:
         self.counts["lookups"] += 1
         holders, why = [], None
         if keys:
-            t0 = time.monotonic()
             try:
-                values = self.directory.lookup_raw(group, keys)
+                values = self._lookup_raw(group, keys)
             except redis.RedisError as e:
-                self.counts["directory_errors"] += 1
                 log.debug("lookup failed: %s", e)
                 values, why = None, "directory_error"
             if values is not None:
-                self._samples.append(("rtt", "", time.monotonic() - t0))
                 holders, why = self.directory.longest_prefix_why(values, self._current_table(), prefer=self.node_id)
         chunks = tuple(ChunkMatch(k, hs) for k, hs in zip(keys, holders))
         if keys:
@@ -721,9 +768,8 @@ class KVMeshClient:
         try:
             table = self._current_table()
             held = [bool(self.directory.longest_prefix([v], table, prefer=self.node_id))
-                    for v in self.directory.lookup_raw(group, keys)]
+                    for v in self._lookup_raw(group, keys)]
         except redis.RedisError:
-            self.counts["directory_errors"] += 1
             held = [False] * len(keys)
         todo = [i for i in range(len(keys)) if not held[i]]
         return self._hand_over(group, [keys[i] for i in todo], [chunks[i] for i in todo])
@@ -742,6 +788,7 @@ class KVMeshClient:
         self._flush_telemetry()
         if self._slab is not None:
             self._slab.close()
+            self._slab = None
         self._data.close()
         if self._verify_pool is not None:
             self._verify_pool.shutdown(wait=False)

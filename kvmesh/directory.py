@@ -301,6 +301,18 @@ class Directory:
                             args=[lease.node_id, lease.incarnation, lease.epoch, lease_ms])
         return r.decode() if isinstance(r, bytes) else str(r)
 
+    def server_identity(self) -> str:
+        """Which Redis server process (each master's, in Redis Cluster) holds the directory now: its run id. It
+        changes when a server restarts (even with its data on disk) or a replica takes over, and what such a
+        server has may lag what nodes registered: they re-join and re-register (`KVNode` compares it every
+        heartbeat). The epoch catches only a Redis that came back empty."""
+        if not self.cluster:
+            return self._redis.info("server")["run_id"]
+        from redis.cluster import RedisCluster
+
+        infos = self._redis.info("server", target_nodes=RedisCluster.PRIMARIES)
+        return ",".join(sorted(i["run_id"] for i in infos.values())) if isinstance(infos, dict) else str(infos)
+
     def leave(self, lease: Lease) -> bool:
         return bool(self._leave(keys=[self._k_inc, self._k_deadline, self._k_info],
                                 args=[lease.node_id, lease.incarnation]))

@@ -93,15 +93,23 @@ class KVNode:
         self.tier = CpuTier(path, cfg.num_slots, cfg.slot_bytes)  # the slab every reader maps
         gpu = None
         if cfg.gpu_bytes:
-            from kvmesh.tiers.gpu import GpuTier  # torch is imported only by nodes with a GPU tier
+            import torch  # only nodes asked for a GPU tier import it
 
-            gpu = GpuTier(cfg.gpu_bytes // cfg.slot_bytes, cfg.slot_bytes, cfg.gpu_device)
+            if cfg.gpu_device.startswith("cuda") and not torch.cuda.is_available():
+                # one configuration serves every node of a cluster; a node without a GPU goes without the tier
+                log.warning("KVNode %s: gpu_bytes is set but this node has no CUDA device: no GPU tier",
+                            node_id[:8])
+            else:
+                from kvmesh.tiers.gpu import GpuTier
+
+                gpu = GpuTier(cfg.gpu_bytes // cfg.slot_bytes, cfg.slot_bytes, cfg.gpu_device)
         disk = None
         if cfg.disk_bytes:
-            from kvmesh.tiers.disk import DiskTier
+            from kvmesh.tiers.disk import DiskTier, claim_directory
 
-            disk = DiskTier(os.path.join(cfg.disk_dir, node_tag), cfg.disk_bytes // cfg.slot_bytes, cfg.slot_bytes,
-                            direct_io=cfg.disk_direct_io)
+            disk_path, lock_fd = claim_directory(cfg.disk_dir, node_id)  # not named by the node id: see there
+            disk = DiskTier(disk_path, cfg.disk_bytes // cfg.slot_bytes, cfg.slot_bytes,
+                            direct_io=cfg.disk_direct_io, lock_fd=lock_fd)
         self.cascade = Cascade(self.tier, gpu, disk, cfg.write_policy)
         self._io = queue.SimpleQueue()  # disk writes and the start-up verification, run by the I/O threads
         recovered = disk.recover() if disk is not None else []
@@ -124,6 +132,7 @@ class KVNode:
                                  self.data_server.address if self.data_server else "")
             self.directory = Directory(cfg.redis_url, cfg.key_prefix)
             self.lease: Lease = self.directory.join(self.info, self._lease_ms)
+            self._server = self.directory.server_identity()  # the Redis server(s) this incarnation registered with
             self._to_purge: list[int] = [self.lease.previous] if self.lease.previous else []
         except Exception:
             if self.data_server:
@@ -492,6 +501,9 @@ class KVNode:
                 log.debug("janitor round failed: %s", e)
             try:
                 state = self.directory.heartbeat(self.lease, self._lease_ms)
+                if state == "ok" and self.directory.server_identity() != self._server:
+                    state = "resync"  # a restarted or failed-over Redis: it may lack or keep entries wrongly
+                    self._count("directory_server_changed")
                 if state == "resync":
                     self._resync()
                 elif state == "fenced":
@@ -635,6 +647,7 @@ class KVNode:
         """The directory lost this node (restarted empty, or failed over): re-join under a new incarnation so
         nothing registered before can be mistaken for current, then register everything held."""
         old = self.lease.incarnation
+        self._server = self.directory.server_identity()
         self.lease = self.directory.join(self.info, self._lease_ms, old)
         # What the old incarnation registered in this Redis before the heartbeat noticed (an emptied Redis does
         # not know it as "previous") is dead now; give its memory back too.
@@ -662,7 +675,9 @@ class KVNode:
     def stats(self) -> dict:
         with self._lock:
             d = dict(self.stats_counts)
-            d.update(self.cascade.counts, evictions=self.cascade.counts["demotions"] + self.cascade.counts["drops"])
+            c = self.cascade
+            d.update(c.counts, evictions=sum(c.evictions.values()), evictions_by_tier=dict(c.evictions),
+                     tier_flows=[[src, dst, n, c.flow_bytes[(src, dst)]] for (src, dst), n in c.flows.items()])
             d.update(node_id=self.node_id, pid=os.getpid(), incarnation=self.lease.incarnation, chunks=len(self.tier),
                      used_bytes=self.tier.used_bytes, capacity_bytes=self.tier.num_slots * self.tier.slot_bytes,
                      pinned=sum(len(s) for s, _ in self._pins.values()), fenced=self.fenced)

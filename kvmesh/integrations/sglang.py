@@ -313,6 +313,9 @@ class KVMeshStorage(HiCacheStorage):
         return [target_locations[i] if i < ok else None for i in range(len(keys))]
 
     def get(self, key: str, target_location=None, target_sizes=None):
+        if self.client is None:  # not registered yet: a miss (SGLang's single-page get says so with None)
+            self.counts["sglang_not_registered"] += 1
+            return None
         if target_location is None:
             target_location = self.mem_pool_host.get_dummy_flat_data_page()
         return self.batch_get([key], [target_location])[0]

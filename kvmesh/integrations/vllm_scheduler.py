@@ -174,12 +174,14 @@ class SchedulerSide:
         client = self.client(st.lora_id)
         errors = self.counts["directory_errors"]
         if first == 0:  # also detects another spec of this model holding the prefix ("spec_mismatch")
-            match = client.lookup(st.tokens, st.salt, max_chunks=last, allow_split=False)
+            match = client.lookup(st.tokens, st.salt, max_chunks=last, allow_split=False,
+                                  cost_model=self.options.cost_model)
             plan = match.plan
         else:
             hashes = self._hashes(st)
             match = client.lookup_keys(hashes[0], hashes[first:last])
-            plan = client.plan(match, n - first * c, allow_split=False) if match.num_chunks else None
+            plan = (client.plan(match, n - first * c, allow_split=False)
+                    if match.num_chunks and self.options.cost_model else None)
         if self.counts["directory_errors"] > errors:
             self._directory_down_until = time.monotonic() + DIRECTORY_RETRY_S
         k = self._reachable(match)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 
 from kvmesh.tiers import TIER_CPU, checksum
 from kvmesh.tiers.slots import Slot, SlotPool, StoreTicket  # noqa: F401  (re-exported)
@@ -108,10 +109,24 @@ class CpuTier(SlotPool):
 
 
 class SlabReader:
-    """A worker's read-only mapping of a node's CPU slab."""
+    """A worker's read-only mapping of a node's CPU slab. `SlabReader.open` shares one mapping among all the
+    clients of a process (one page-locking, one set of resident pages); `close` releases a client's share."""
+
+    _shared: dict = {}  # (path, size) -> [reader, users]
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def open(cls, path: str, size: int) -> "SlabReader":
+        with cls._shared_lock:
+            entry = cls._shared.get((path, size))
+            if entry is None:
+                entry = cls._shared[(path, size)] = [cls(path, size), 0]
+            entry[1] += 1
+            return entry[0]
 
     def __init__(self, path: str, size: int) -> None:
         self.path = path
+        self.size = size
         fd = os.open(path, os.O_RDONLY)
         try:
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -128,6 +143,13 @@ class SlabReader:
         return self._view[offset:offset + nbytes]
 
     def close(self) -> None:
+        with self._shared_lock:
+            entry = self._shared.get((self.path, self.size))
+            if entry is not None and entry[0] is self:
+                entry[1] -= 1
+                if entry[1] > 0:
+                    return  # other clients of this process still read through it
+                del self._shared[(self.path, self.size)]
         page_unlock(self._locked_at)
         self._locked_at = None
         self._view.release()

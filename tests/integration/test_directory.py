@@ -8,6 +8,7 @@ import redis
 from kvmesh.directory import FIELD_BYTES, Directory
 from kvmesh.tiers import TIER_CPU
 from kvmesh.wire import NodeInfo
+from tests.conftest import wait_until
 
 G = b"g" * 16
 
@@ -151,3 +152,32 @@ def test_expire_ends_a_lease_at_once_and_only_for_that_incarnation(directory):
     table = directory.node_table()
     assert table.live == {} and table.dead_incarnations == {"A": a.incarnation}
     assert directory.heartbeat(a, 60_000) == "ok"  # the node itself, if alive after all, renews its lease
+
+
+def test_a_client_fails_fast_while_the_directory_is_away_and_resumes_when_it_is_back(tmp_path):
+    """The first call to a dead directory costs a connection attempt; the next ones within DIRECTORY_RETRY_S are
+    misses at once; the client's node-table refresh notices the directory is back and lookups resume."""
+    import time
+
+    from kvmesh import KVSpec
+    from kvmesh.client import KVMeshClient
+    from kvmesh.config import KVMeshConfig
+    from kvmesh.local import RedisServer
+
+    spec = KVSpec("breaker", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", chunk_tokens=4)
+    with RedisServer() as server:
+        client = KVMeshClient(spec, KVMeshConfig(redis_url=server.url, key_prefix="br", node_refresh_s=0.2,
+                                                 lookup_timeout_s=0.5), None)
+        try:
+            toks = list(range(16))
+            assert client.lookup(toks).why == "not_cached"
+            server.kill()
+            assert client.lookup(toks).why == "directory_error"
+            t0 = time.monotonic()
+            for _ in range(20):
+                assert client.lookup(toks).why == "directory_error"
+            assert time.monotonic() - t0 < 0.5 and client.counts["directory_skipped"] >= 20
+            server.start()
+            wait_until(lambda: client.lookup(toks).why == "not_cached", 10)
+        finally:
+            client.close()

@@ -62,6 +62,16 @@ def w_fetch_match(s, match, deadline_s):
     return kv.shape[2], time.monotonic() - t0
 
 
+def w_lookup_then_store(s, toks, kv):
+    c = kvmesh.connect(s)
+    m = c.lookup(toks)
+    n = c.store(toks, kv)
+    c.flush()
+    counts = dict(c.counts)
+    c.close()
+    return m.num_tokens, n, counts
+
+
 # -- tests ---------------------------------------------------------------------------------------------------------
 def test_start_is_idempotent_with_one_kvnode_per_node(mesh, ray_cluster):
     before = {n: h._actor_id for n, h in node_actors().items()}
@@ -248,3 +258,16 @@ def test_redis_restart_empty_never_returns_stale_holders_and_the_directory_rebui
     n, got, _ = on_node(b, w_fetch, s, toks)
     assert torch.equal(got, kv)
     assert ray.get(node_actors()[a].stats.remote())["incarnation"] != before
+
+
+def test_a_store_after_its_lookup_needs_no_directory_round_trip(mesh):
+    a, b, _ = mesh.node_ids
+    s = spec("lookup-then-store")
+    toks = tokens(32 * 5, seed=40)
+    kv = random_kv(s, len(toks), 41)
+    on_node(a, w_store, s, toks[:64], kv[:, :, :64])  # the first 2 chunks are cached on A
+    cached, stored, counts = on_node(b, w_lookup_then_store, s, toks, kv)
+    assert cached == 64 and stored == 3  # B stores only the 3 chunks its lookup saw missing
+    assert counts["store_checked_by_lookup"] == 1
+    n, got, _ = on_node(a, w_fetch, s, toks)
+    assert n == 160 and torch.equal(got, kv)

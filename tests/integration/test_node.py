@@ -9,7 +9,7 @@ import redis
 from kvmesh.config import KVMeshConfig
 from kvmesh.directory import Directory
 from kvmesh.node import KVNode
-from kvmesh.tiers import checksum
+from kvmesh.tiers import TIER_CPU, checksum
 from kvmesh.wire import StoreItem, WireError, pack_keys, pack_store, unpack_chunk_header, unpack_pin_reply
 from tests.conftest import wait_until
 
@@ -122,25 +122,59 @@ def test_redis_restart_empty_triggers_resync_under_a_new_incarnation(node, priva
     d.close()
 
 
-def test_changes_made_while_redis_is_down_reach_it_when_it_is_back(tmp_path):
-    """A blip, not a loss: Redis comes back with its data (append-only file), so the node keeps its incarnation.
-    Chunks evicted while it was down must not stay listed: the removals are sent again, not forgotten."""
+def aof_node(server, tmp_path, name: str) -> KVNode:
+    cfg = KVMeshConfig(redis_url=server.url, key_prefix="tn", cpu_bytes=8 * SLOT, slot_bytes=SLOT, lease_s=5.0,
+                       heartbeat_s=0.2, shm_dir=str(tmp_path))
+    return KVNode(cfg, name * 4, "kvnode-" + name)
+
+
+def test_changes_made_while_redis_hangs_reach_it_when_it_answers_again(tmp_path):
+    """A blip, not a loss: the same Redis process stops answering for a while, so the node keeps its incarnation.
+    Chunks evicted meanwhile must not stay listed: the removals are sent again, not forgotten."""
+    import os
+    import signal
+
     from kvmesh.local import RedisServer
 
-    with RedisServer(extra_args=("--appendonly", "yes", "--appendfsync", "always")) as server:
-        cfg = KVMeshConfig(redis_url=server.url, key_prefix="tn", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
-                           lease_s=5.0, heartbeat_s=0.2, shm_dir=str(tmp_path))
-        node = KVNode(cfg, "node-o" * 4, "kvnode-o")
+    with RedisServer() as server:
+        node = aof_node(server, tmp_path, "node-o")
         try:
             node.store(*chunks(*range(1, 9)))  # fills all 8 slots, registered
             inc = node.lease.incarnation
-            server.kill()
-            node.store(*chunks(*range(11, 15)))  # evicts 4 of them while nobody can be told
-            assert node.stats()["directory_errors"] >= 1
-            server.start()  # same data: 1..8 are all still listed
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                node.store(*chunks(*range(11, 15)))  # evicts 4 of them while nobody can be told
+                assert node.stats()["directory_errors"] >= 1
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)  # 1..8 are all still listed
             wait_until(lambda: not node._dirty and len(lookup(node, range(1, 9))) == 4, 10)
             assert node.lease.incarnation == inc and node.stats().get("resyncs", 0) == 0
             node.check_integrity(directory=True)  # exactly what it holds is listed: no phantom entries
+        finally:
+            node.shutdown()
+
+
+def test_a_redis_that_restarts_with_its_data_makes_nodes_re_register(tmp_path):
+    """A restart from disk (or a failover to a replica) keeps the epoch but may have lost recent writes, or kept
+    entries of chunks since evicted: the node sees the server's run id change and re-joins and re-registers."""
+    from kvmesh.local import RedisServer
+
+    with RedisServer(extra_args=("--appendonly", "yes", "--appendfsync", "always")) as server:
+        node = aof_node(server, tmp_path, "node-f")
+        try:
+            node.store(*chunks(*range(1, 9)))
+            inc = node.lease.incarnation
+            server.kill()
+            node.store(*chunks(*range(11, 15)))  # evicts 4 while Redis is down
+            server.start()  # with its data: 1..8 are still listed, under the current incarnation
+            wait_until(lambda: node.lease.incarnation != inc, 10)
+            assert node.stats()["directory_server_changed"] == 1 and node.stats()["resyncs"] == 1
+            wait_until(lambda: not node._unregistered and not node._to_purge, 10)
+            assert len(lookup(node, range(1, 9))) == 4 and len(lookup(node, range(11, 15))) == 4
+            node.check_integrity(directory=True)
+            d = Directory(server.url, "tn")
+            assert d.entries_of(inc) == {}  # the old incarnation's entries were purged
+            d.close()
         finally:
             node.shutdown()
 
@@ -176,6 +210,21 @@ def gpu_node(private_redis, tmp_path):
     n = KVNode(cfg, "node-g" * 4, "kvnode-g")
     yield n
     n.shutdown()
+
+
+def test_a_node_without_a_gpu_ignores_the_gpu_tier_it_was_given(private_redis, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="tn", cpu_bytes=4 * SLOT, slot_bytes=SLOT,
+                       gpu_bytes=2 * SLOT, gpu_device="cuda", lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path))
+    n = KVNode(cfg, "node-c" * 4, "kvnode-c")  # one cluster-wide config, a node with no GPU: it still starts
+    try:
+        assert n.cascade.gpu is None and "gpu_chunks" not in n.stats()
+        assert n.store(*chunks(1, 2)) == 2 and tiers(n, [1, 2]) == [TIER_CPU, TIER_CPU]
+    finally:
+        n.shutdown()
 
 
 def tiers(node, ids) -> list:
@@ -238,7 +287,10 @@ def test_cpu_evictions_land_on_disk_and_are_served_bit_exact(private_redis, tmp_
         node.shutdown()
 
 
-def test_a_restarted_node_recovers_its_disk_and_drops_what_is_corrupt(private_redis, tmp_path):
+@pytest.mark.parametrize("new_id", [False, True], ids=["same-node-id", "new-node-id"])
+def test_a_restarted_node_recovers_its_disk_and_drops_what_is_corrupt(private_redis, tmp_path, new_id):
+    """An actor restart keeps the Ray node id; a raylet or machine restart gets a new one: either way the disk
+    tier's chunks come back."""
     from kvmesh.tiers import TIER_DISK
 
     redis.Redis.from_url(private_redis.url).flushall()
@@ -248,9 +300,10 @@ def test_a_restarted_node_recovers_its_disk_and_drops_what_is_corrupt(private_re
     old_inc = node.lease.incarnation
     disk_file = node.cascade.disk.path
     slot2 = node.cascade.disk.slot_of(k(2))
-    # the process dies without a word: no shutdown, no unregistering (its lease will lapse)
+    # the process dies without a word: no shutdown, no unregistering (its lease will lapse); its files close
     node._stop.set()
     node.directory.close()
+    node.cascade.disk.close()
     # a bit flip on disk while it was down
     from kvmesh.tiers.disk import HEADER
 
@@ -259,13 +312,15 @@ def test_a_restarted_node_recovers_its_disk_and_drops_what_is_corrupt(private_re
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 1]))
-    again = disk_node(private_redis, tmp_path, write_policy="write_through")
+    again = disk_node(private_redis, tmp_path, name=("node-n" if new_id else "node-d") * 4,
+                      write_policy="write_through")
     try:
-        assert again.lease.incarnation != old_inc
+        assert again.cascade.disk.path == disk_file and again.lease.incarnation != old_inc
         wait_until(lambda: again.stats().get("disk_recovered", 0) == 2, 5)
         assert again.stats()["disk_recovery_corrupt"] == 1
         rows = lookup(again, [1])
-        assert rows and rows[0][0].incarnation == again.lease.incarnation and rows[0][0].tier == TIER_DISK
+        # (the old incarnation may still be listed until its lease lapses, under another node id)
+        assert rows and (again.lease.incarnation, TIER_DISK) in [(h.incarnation, h.tier) for h in rows[0]]
         header, data = again.pull(pack_keys([k(1), k(2), k(3)]))
         assert data.size == SLOT and (data == 1).all()  # 2 is gone, so the run stops there
         header, data = again.pull(pack_keys([k(3)]))

@@ -7,6 +7,7 @@ reads JSON commands on stdin, one per line, and answers each with one line `REPL
     {"op": "generate", "input_ids": [...], "max_new_tokens": 8}
         -> {"ids": [...], "cached": {"device": d, "host": h, "storage": s, ...}, "prompt_tokens": n}
     {"op": "flush"}   -> {"ok": true}     SGLang's flush_cache(): empties its GPU (here: device) and host tiers
+                                          (asked again for up to 10 s while the scheduler is not idle yet)
     {"op": "quit"}    -> {"ok": true}     shuts the engine down and exits
 
 The engine's scheduler process builds the backend: it joins the Ray cluster at $RAY_ADDRESS and uses the KVNode of
@@ -16,6 +17,7 @@ $KVMESH_RAY_NODE_ID as its local node. The CPU shims come from PYTHONPATH (tests
 import json
 import os
 import sys
+import time
 
 
 def main() -> None:
@@ -44,7 +46,14 @@ def main() -> None:
                                                           if isinstance(v, (int, float))},
                      "cached_tokens": meta.get("cached_tokens"), "prompt_tokens": meta.get("prompt_tokens")}
         elif op == "flush":
-            reply = {"ok": bool(engine.flush_cache().success)}
+            # SGLang refuses a flush until its scheduler has gone idle, which can be a moment after a generate
+            # returned (its last batch is cleared on the next loop); ask again for a while, as a user would
+            for _ in range(50):
+                ok = bool(engine.flush_cache().success)
+                if ok:
+                    break
+                time.sleep(0.2)
+            reply = {"ok": ok}
         elif op == "quit":
             engine.shutdown()
             print("REPLY " + json.dumps({"ok": True}), flush=True)

@@ -84,6 +84,22 @@ class Engine:
     def call(self, name: str, *args):
         return getattr(self.be, name)(*args)
 
+    def unregistered_calls(self, keys: list[str]) -> dict:
+        """Every call of a backend SGLang built but has not handed its host pool yet."""
+        from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+        be = StorageBackendFactory.create_backend("dynamic", self.config, None)
+        idx = torch.arange(len(keys) * PAGE, dtype=torch.int64)
+        page = self.host.get_dummy_flat_data_page()
+        out = {"exists": be.batch_exists(keys), "exists_one": be.exists(keys[0]),
+               "get_v1": be.batch_get_v1(keys, idx), "set_v1": be.batch_set_v1(keys, idx),
+               "get": be.get(keys[0], page), "set": be.set(keys[0], page),
+               "batch_set": be.batch_set(keys, [page] * len(keys)), "batch_get": be.batch_get(keys, [page] * len(keys))}
+        out["counts"] = dict(be.counts)
+        be.clear()
+        be.close()
+        return out
+
     def page_first_check(self, keys: list[str]):
         from kvmesh.integrations.sglang import chunk_view
 
@@ -252,3 +268,35 @@ def test_a_dead_holder_node_gives_misses_not_errors(sgl_cluster, engines):
     assert again["counts"]["miss_holder_dead"] + again["counts"].get("miss_peer_error", 0) >= 1
     mine = ray.get(eb.read.remote(own), timeout=60)
     assert mine["ok"] == [True, True] and torch.equal(mine["kv"], ref_b)
+
+
+def test_a_backend_not_yet_given_its_host_pool_answers_misses(engines):
+    _, eb = engines  # (B: A's node is gone after the test above)
+    keys = keys_for("unregistered", 2)
+    out = ray.get(eb.unregistered_calls.remote(keys), timeout=60)
+    assert out["exists"] == 0 and out["exists_one"] is False
+    assert out["get_v1"] == [False, False] and out["set_v1"] == [False, False]
+    assert out["get"] is None and out["set"] is False and out["batch_set"] is False
+    assert out["batch_get"] == [None, None]
+    assert out["counts"]["sglang_not_registered"] >= 6
+
+
+def test_with_redis_down_batch_calls_are_misses_and_serving_resumes(engines, redis_server):
+    # last in the module: kills the session's Redis and brings it back empty (the KVNodes re-register)
+    _, eb = engines
+    keys = keys_for("redis-down")
+    ok, ref = ray.get(eb.write.remote(keys, 0), timeout=60)
+    assert ok == [True] * PAGES
+    redis_server.kill()
+    try:
+        got = ray.get(eb.read.remote(keys), timeout=60)  # nobody can say where the pages are: misses
+        wrote, _ = ray.get(eb.write.remote(keys_for("while-down", 2), 0), timeout=60)
+    finally:
+        redis_server.restart()
+    assert got["exists"] == 0 and got["ok"] == [False] * PAGES
+    assert got["counts"].get("directory_errors", 0) >= 1
+    assert len(wrote) == 2 and all(isinstance(w, bool) for w in wrote)  # an answer, not an exception
+    # the nodes re-register what they hold in the emptied Redis: B reads its pages from kvmesh again
+    wait_until(lambda: ray.get(eb.call.remote("batch_exists", keys), timeout=60) == PAGES, 20)
+    again = ray.get(eb.read.remote(keys), timeout=60)
+    assert again["ok"] == [True] * PAGES and torch.equal(again["kv"], ref)

@@ -1,4 +1,5 @@
-"""Tier cascade stories with a 2-slot GPU tier (on a CPU stand-in device) above a 3-slot CPU slab."""
+"""Tier cascade stories with a 2-slot GPU tier above a 3-slot CPU slab: on the GPU where there is one, else on a CPU
+stand-in device (the same cascade)."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from kvmesh.tiers.gpu import GpuTier
 
 SLOT = 64
 G = b"g" * 16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def k(i: int) -> bytes:
@@ -19,7 +21,7 @@ def k(i: int) -> bytes:
 @pytest.fixture
 def cascade(tmp_path):
     cpu = CpuTier(str(tmp_path / "slab"), 3, SLOT)
-    c = Cascade(cpu, GpuTier(2, SLOT, device="cpu"))
+    c = Cascade(cpu, GpuTier(2, SLOT, device=DEVICE))
     yield c
     cpu.close()
 

@@ -110,3 +110,21 @@ def test_close_removes_the_slab(tmp_path):
     t.close()
     assert not os.path.exists(t.path)
     assert np.frombuffer(b"x", dtype=np.uint8).size == 1
+
+
+def test_the_clients_of_a_process_share_one_mapping_of_a_slab(tmp_path):
+    from kvmesh.tiers.cpu import CpuTier, SlabReader
+
+    tier = CpuTier(str(tmp_path / "slab"), 4, 4096)
+    try:
+        a = SlabReader.open(tier.path, 4 * 4096)
+        b = SlabReader.open(tier.path, 4 * 4096)
+        assert a is b
+        a.close()
+        assert bytes(b.view(0, 4)) == bytes(4)  # still mapped for the other client
+        b.close()
+        c = SlabReader.open(tier.path, 4 * 4096)
+        assert c is not a  # the last close unmapped it; a new user maps it afresh
+        c.close()
+    finally:
+        tier.close()

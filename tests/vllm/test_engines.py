@@ -24,6 +24,10 @@ from kvmesh.spec import KVSpec
 from tests.conftest import wait_until
 from tests.vllm.engines import delta, make_model, start_engine, tokens
 
+# the first test of the module also waits for its engines to start (minutes on a busy 2-core machine), and
+# pytest-timeout counts fixture setup in the test's time
+pytestmark = pytest.mark.timeout(900)
+
 PREFIX = 1024  # shared prefix: 4 chunks of 256 tokens
 SUFFIX = 40
 
@@ -122,7 +126,7 @@ def test_an_engine_of_another_model_revision_gets_no_hits(engines, vllm_mesh):
     stored(engines, prompt)
     # the same model directory name with other weights: a new revision of "tiny-llama"
     other = make_model(os.path.join(engines["work"], "rev2", "tiny-llama"), seed=1)
-    v = start_engine(cluster.node_ids()[2], engines["work"], other, kvmesh={})
+    v = start_engine(cluster.node_ids()[2], engines["work"], other, kvmesh={"cost_model": False})
     try:
         out = gen(v, [prompt])
         c = counts(v)["scheduler"]
@@ -130,6 +134,8 @@ def test_an_engine_of_another_model_revision_gets_no_hits(engines, vllm_mesh):
         print(f"\nV (rev2): {c}")
         assert out[0]["cached"] == 0 and src.get("external_kv_transfer", 0) == 0
         assert c.get("lookups", 0) >= 1 and c.get("hits", 0) == 0
+        # a miss by identity (nothing under its namespace), not one the cost model chose
+        assert c.get("miss_not_cached", 0) + c.get("miss_spec_mismatch", 0) >= 1 and not c.get("miss_cost_model")
         assert ids(out) == ids(gen(v, [prompt], recompute=True))
         assert ids(out) != ids(gen(r, [prompt], recompute=True))  # it is another model indeed
     finally:
@@ -150,9 +156,10 @@ def test_tenants_with_different_cache_salts_never_share(engines):
     out = gen(b, [same], cache_salt="tenant-1")
     assert out[0]["cached"] == PREFIX
     assert ids(out) == ids(gen(r, [same], recompute=True))
-    # B's worker timed the two full prefills above and reported them: its scheduler's cost model has an estimate
-    plans = delta(counts(b)["scheduler"], before)
-    assert plans.get("plan_load", 0) + plans.get("plan_recompute", 0) == 1, plans
+    # B runs without the cost model: nothing is priced, the hit counts as a hit (never as the cost model's miss)
+    sched = delta(counts(b)["scheduler"], before)
+    assert sched.get("hits") == 1 and not (sched.get("plan_load") or sched.get("plan_recompute")
+                                           or sched.get("miss_cost_model")), sched
 
 
 def corrupt_chunk(engines, mesh, node_id: str, prompt: list[int], index: int) -> None:
@@ -226,10 +233,14 @@ def test_killing_the_node_that_holds_the_chunks_makes_b_recompute_with_identical
     assert took < 20  # well inside the 20 s lease that keeps node 1 listed: no retrying until it lapses
     # the directory may still list node 1 (its lease runs 20 s, unless Ray reported it dead first): then the
     # fetch failed once, vLLM recomputed, and the request was not offered the load again
-    assert sched.get("hits", 0) <= 1
+    # Either way the dead holder must show: a listed holder's load failed (and was reported, once), or Ray's word
+    # ended its lease first and the lookup saw no live holder
     if sched.get("hits"):
+        assert sched["hits"] == 1
         assert worker.get("vllm_load_failed_blocks", 0) == 8 and not worker.get("vllm_loaded_chunks")
         assert sched.get("vllm_unreachable_reports", 0) == 1
+    else:
+        assert sched.get("miss_holder_dead", 0) >= 1 and not worker.get("vllm_loaded_chunks")
     # B keeps serving through kvmesh: its own chunks come back from its own node
     p2 = tokens(700, PREFIX)
     gen(b, [p2 + tokens(701, SUFFIX)])

@@ -37,7 +37,7 @@ class Client:
                        for i in range(n))
         return Match(SPEC.namespace, C, chunks, plan=LoadPlan(0, n, "load"))
 
-    def lookup(self, toks, salt=None, *, max_chunks=None, allow_split=True):
+    def lookup(self, toks, salt=None, *, max_chunks=None, allow_split=True, cost_model=True):
         self.counts["lookups"] += 1
         return self._match(0, max_chunks)
 

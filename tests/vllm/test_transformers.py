@@ -21,6 +21,10 @@ from kvmesh.integrations.identity import local_model_id
 from tests.conftest import wait_until
 from tests.vllm.engines import delta, make_model, start_engine, tokens
 
+# the first test of the module also waits for its engines to start (minutes on a busy 2-core machine), and
+# pytest-timeout counts fixture setup in the test's time
+pytestmark = pytest.mark.timeout(900)
+
 PREFIX, SUFFIX = 1024, 40
 
 

@@ -19,6 +19,7 @@ naming the argument; failures of peers or Redis never raise out of these calls.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import warnings
@@ -126,6 +127,11 @@ class KVMeshClient:
         self._stage: torch.Tensor | None = None  # page-locked, chunk-major, for peer chunks bound for a GPU
         self._verify_pool = None
         self._pending_stores: list = []
+        self._store_lock = threading.Lock()  # _pending_stores and _staged_jobs: the GPU stager thread adds to them
+        self._staged: queue.Queue = queue.Queue()  # stores being copied off a GPU, handed over by `_stager`
+        self._staged_jobs = 0
+        self._stager: threading.Thread | None = None
+        self._store_streams: dict = {}  # device -> side stream for device-to-host store copies
         self._pending_pins: list = []  # pin replies we stopped waiting for; unpinned when they arrive
         self._table = NodeTable(None, 0, {}, (), {})
         self._directory_down_until = 0.0  # a failed directory call makes the next ones fail fast until then
@@ -671,23 +677,74 @@ class KVMeshClient:
     def _hand_over(self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor]) -> int:
         """Copy `chunks` (each of the spec's `chunk_shape`, any strides) into one staging buffer and hand them to
         the local node without waiting for it. Returns how many were handed over: 0 when too many stores are
-        already in flight (dropped and counted: a store never blocks the engine)."""
+        already in flight (dropped and counted: a store never blocks the engine). Chunks on a GPU are copied
+        out on a side stream into page-locked staging and handed over from a background thread once the copy
+        is done: neither the caller nor its compute stream waits for the device-to-host copy."""
         if not keys:
             return 0
         self._reap_stores()
-        if len(self._pending_stores) >= MAX_INFLIGHT_STORES:
+        if len(self._pending_stores) + self._staged_jobs >= MAX_INFLIGHT_STORES:
             self.counts["store_dropped_busy"] += 1
             return 0
         s, cb = self.spec, self.spec.chunk_bytes
-        staging = np.empty(len(keys) * cb, dtype=np.uint8)
-        st = torch.from_numpy(staging).view(s.torch_dtype).view(len(keys), *s.chunk_shape)
-        items = []
-        for j, (key, chunk) in enumerate(zip(keys, chunks)):
-            st[j].copy_(chunk)
-            items.append(StoreItem(group, key, cb, checksum(staging[j * cb:(j + 1) * cb])))
-        self._pending_stores.append(self._local.store.remote(pack_store(items), staging))
+        if chunks[0].is_cuda:
+            self._stage_from_device(group, keys, chunks)
+        else:
+            staging = np.empty(len(keys) * cb, dtype=np.uint8)
+            st = torch.from_numpy(staging).view(s.torch_dtype).view(len(keys), *s.chunk_shape)
+            for j, chunk in enumerate(chunks):
+                st[j].copy_(chunk)
+            self._send(group, keys, staging)
         self.counts["stored_chunks"] += len(keys)
         return len(keys)
+
+    def _stage_from_device(self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor]) -> None:
+        s, cb = self.spec, self.spec.chunk_bytes
+        device = chunks[0].device
+        stream = self._store_streams.get(device)
+        if stream is None:
+            stream = self._store_streams[device] = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the KV as computed so far, nothing later
+        staging = torch.empty(len(keys) * cb, dtype=torch.uint8, pin_memory=True)
+        st = staging.view(s.torch_dtype).view(len(keys), *s.chunk_shape)
+        with torch.cuda.stream(stream):
+            for j, chunk in enumerate(chunks):
+                st[j].copy_(chunk, non_blocking=True)
+                chunk.record_stream(stream)  # its memory is not reused (the engine may free it) before the copy
+            done = torch.cuda.Event()
+            done.record(stream)
+        with self._store_lock:
+            self._staged_jobs += 1
+            if self._stager is None:
+                self._stager = threading.Thread(target=self._stage_loop, name="kvmesh-client-stores", daemon=True)
+                self._stager.start()
+        self._staged.put((group, keys, staging, done))
+
+    def _stage_loop(self) -> None:
+        while True:
+            job = self._staged.get()
+            try:
+                if job is None:
+                    return
+                group, keys, staging, done = job
+                done.synchronize()
+                self._send(group, keys, staging.numpy())
+            except Exception as e:  # a store is best effort: count it, never raise into the engine
+                self.counts["store_failures"] += 1
+                log.warning("kvmesh: handing a store to the node failed: %s", e)
+            finally:
+                if job is not None:
+                    with self._store_lock:
+                        self._staged_jobs -= 1
+                self._staged.task_done()
+
+    def _send(self, group: bytes, keys: list[bytes], staging: np.ndarray) -> None:
+        """Checksum the staged chunks and hand them to the local node (a Ray call; not waited for)."""
+        cb = self.spec.chunk_bytes
+        items = [StoreItem(group, key, cb, checksum(staging[j * cb:(j + 1) * cb])) for j, key in enumerate(keys)]
+        ref = self._local.store.remote(pack_store(items), staging)
+        with self._store_lock:
+            self._pending_stores.append(ref)
 
     def _check_kv(self, kv, num_tokens: int) -> torch.Tensor:
         s = self.spec
@@ -705,18 +762,24 @@ class KVMeshClient:
         return kv if kv.stride(-1) == 1 else kv.contiguous()
 
     def _reap_stores(self) -> None:
-        import ray
+        with self._store_lock:
+            pending = self._pending_stores
+        if pending:
+            import ray
 
-        if self._pending_stores:
-            _, self._pending_stores = ray.wait(self._pending_stores, num_returns=len(self._pending_stores),
-                                               timeout=0)
+            _, left = ray.wait(pending, num_returns=len(pending), timeout=0)
+            with self._store_lock:
+                done = set(pending) - set(left)
+                self._pending_stores = [r for r in self._pending_stores if r not in done]
 
     def flush(self, timeout_s: float = 30.0) -> int:
         """Wait until every store handed over so far is in the node's tier and registered; returns how many
         chunks the node actually stored."""
         import ray
 
-        refs, self._pending_stores = self._pending_stores, []
+        self._staged.join()  # stores still being copied off a GPU are handed over first
+        with self._store_lock:
+            refs, self._pending_stores = self._pending_stores, []
         stored = 0
         for r in refs:
             try:
@@ -783,6 +846,9 @@ class KVMeshClient:
             raise ValueError(f"keys must be a list of {HASH_BYTES}-byte chunk keys")
 
     def close(self) -> None:
+        if self._stager is not None:
+            self._staged.put(None)
+            self._stager.join(timeout=10)
         self._closed.set()
         self._refresher.join(timeout=2)
         self._flush_telemetry()

@@ -31,6 +31,10 @@ def page_lock(buf, read_only: bool = False) -> int | None:
         err = cudart.cudaHostRegister(arr.ctypes.data, arr.nbytes, flags)
         if int(err) != 0:
             _clear_cuda_error()  # torch checks the last CUDA error after every kernel launch
+            try:  # and where cudart is linked into torch itself, one launch check of ours reads (resets) it
+                torch.zeros(1, device="cuda")
+            except Exception:
+                pass
             return None
         return arr.ctypes.data
     except Exception:  # pinning is an optimisation; an unpinned slab still works

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from bench.common import save  # noqa: E402
+from bench.common import plot_speedup, save  # noqa: E402
 from kvmesh.tiers import checksum  # noqa: E402
 from kvmesh.tiers.disk import DiskTier, aligned_buffer  # noqa: E402
 
@@ -38,7 +38,10 @@ def dd(args: list[str]) -> float:
 def d1(directory: str, total: int, chunk: int, repeat: int) -> dict:
     n = total // chunk
     raw = os.path.join(directory, "raw.bin")
-    w = min(dd(["if=/dev/zero", f"of={raw}", f"bs={chunk}", f"count={n}", "oflag=direct", "conv=fsync"])
+    # the same work as the tier's stores: overwrite a file whose blocks exist already (the tier's slab is
+    # preallocated), so the first, allocating write is not timed and later ones do not truncate
+    dd(["if=/dev/zero", f"of={raw}", f"bs={chunk}", f"count={n}", "oflag=direct", "conv=fsync"])
+    w = min(dd(["if=/dev/zero", f"of={raw}", f"bs={chunk}", f"count={n}", "oflag=direct", "conv=fsync,notrunc"])
             for _ in range(repeat))
     r = min(dd([f"if={raw}", "of=/dev/null", f"bs={chunk}", "iflag=direct"]) for _ in range(repeat))
     os.unlink(raw)
@@ -52,6 +55,9 @@ def d1(directory: str, total: int, chunk: int, repeat: int) -> dict:
         t = tier.prepare_store(i.to_bytes(16, "little"), b"g" * 16, chunk)
         tier.complete_store(t, sums[i % 4])
         slots.append(t.slot)
+    for i, s in enumerate(slots):  # allocate the slab's blocks first, as dd's file was (untimed)
+        tier.write_chunk(s, bufs[i % 4], chunk, i.to_bytes(16, "little"), b"g" * 16, sums[i % 4])
+    os.fsync(tier._fd)
 
     def store():
         for i, s in enumerate(slots):
@@ -79,10 +85,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def d2(directory: str, lengths: list[int]) -> list[dict]:
-    """Demo model (hidden 512, 8 layers, fp32): disk fetch of a prefix's chunks vs its prefill on this CPU."""
+def d2(directory: str, lengths: list[int], progress=None) -> list[dict]:
+    """Demo model (hidden 512, 8 layers, fp32): disk fetch of a prefix's chunks vs its prefill on this CPU, and
+    what kvmesh's cost model (fed with these disk reads and prefills, as a client would be) plans for each."""
     import torch
 
+    from kvmesh.cost import CostModel
     from kvmesh.integrations.hf import _forward, _new_cache, spec_for_model, tiny_llama
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -103,6 +111,7 @@ def d2(directory: str, lengths: list[int]) -> list[dict]:
     os.fsync(tier._fd)
     dests = [aligned_buffer(spec.chunk_bytes) for _ in range(n_max)]  # as the CPU tier's slots would be
     rows = []
+    cost = CostModel()
     ids = torch.randint(0, 4096, (1, max(lengths)))
     with torch.inference_mode():
         _forward(model, ids[:, :256], _new_cache(), logits_to_keep=1)  # warm up
@@ -115,7 +124,14 @@ def d2(directory: str, lengths: list[int]) -> list[dict]:
             rows.append({"prefix_tokens": n, "kv_bytes": k * spec.chunk_bytes, "disk_fetch_s": t_fetch,
                          "recompute_s": t_prefill, "disk_speedup": t_prefill / t_fetch,
                          "disk_pays": t_fetch < t_prefill})
-            print(rows[-1], flush=True)
+            cost.observe_transfer("local-disk", k * spec.chunk_bytes, t_fetch)
+            cost.prefill.observe(n, 0, t_prefill)
+            if progress:
+                progress(rows[-1])
+    for r in rows:  # the plans, with the model fitted on every point
+        plan = cost.plan(r["prefix_tokens"], 256, spec.chunk_bytes, ["local-disk"] * (r["prefix_tokens"] // 256),
+                         allow_split=False)
+        r["cost_model_plan"] = plan.reason
     tier.close()
     return rows
 
@@ -132,10 +148,25 @@ def main() -> None:
         out = {"directory": directory, "filesystem": fs.split()[1]}
         out["d1"] = d1(directory, args.mib * MiB, 4 * MiB, args.repeat)
         print("D1", out["d1"], flush=True)
-        out["d2"] = d2(directory, [256, 512, 1024, 2048, 4096, 8192])
+        lengths = [256, 512, 1024, 2048, 4096, 8192]
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(lengths), desc="D2 prefix lengths", unit="len")
+            out["d2"] = d2(directory, lengths, progress=lambda r: (bar.update(1), bar.set_postfix(
+                disk=f"{r['disk_speedup']:.0f}x")))
+            bar.close()
+        except ImportError:
+            out["d2"] = d2(directory, lengths)
         pays = [r["prefix_tokens"] for r in out["d2"] if r["disk_pays"]]
         out["d2_crossover_tokens"] = min(pays) if pays else None
-        save("disk", out)
+        out["d2_note"] = ("disk pays from the smallest prefix measured when every point pays; the cost model "
+                          "recomputes where its fitted disk read exceeds its fitted prefill (cost_model_plan)")
+        path = save("disk", out)
+        png = path.with_suffix(".png")
+        plot_speedup(out["d2"], "prefix_tokens", "disk_speedup", png,
+                     "Prefix from the disk tier vs recompute (demo model, this CPU)")
+        print(f"plot {png}")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -104,6 +104,10 @@ class Cascade:
                 return t.tier_id
         return None
 
+    def holds_group(self, group: bytes) -> bool:
+        """Whether any tier holds (or is receiving) a chunk of prompt group `group`."""
+        return any(t.group_counts.get(group) for t in self._tiers())
+
     def holds(self, key: bytes) -> bool:
         return any(key in t._by_key for t in self._tiers())
 

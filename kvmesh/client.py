@@ -45,7 +45,7 @@ from kvmesh.wire import (MAX_DEADLINE_MS, PullThrough, StoreItem, WireError, pac
 log = logging.getLogger("kvmesh.client")
 DIRECTORY_RETRY_S = 5.0  # after a directory call failed, calls fail fast this long (or until a node-table read works)
 SEEN_TTL_S = 30.0  # what a lookup saw of a prompt's chunks spares its store the directory round trip this long
-MAX_SEEN = 1 << 16
+MAX_SEEN = 4096  # hashes remembered per client (a store follows its lookup closely): ~1 MiB at most
 MAX_INFLIGHT_STORES = 16  # more pending stores than this and new ones are dropped (counted), never waited for
 
 # Slab and object-store buffers are read-only; torch warns when wrapping them. We only ever read them.

@@ -9,7 +9,8 @@ Key layout (`P` is the configured key prefix):
     P:{n}:info             hash     node_id -> msgpack NodeInfo (wire.py)
     P:{n}:claim:<job>      string   short leases on jobs one node should do: the janitor round, one purge
     P:g:{<h1 hex>}         hash     chunk hash, first 6 bytes -> 0x02 then (inc u32 LE, tier u8) per holder
-    P:o:<inc>              set      the groups incarnation <inc> has entries in: its purge reads only these
+    P:o:<inc>              set      the groups incarnation <inc> has entries in: its purge reads only these (a
+                                    group leaves it when the node's last chunk of that group does)
 
 All node keys share the hash tag `{n}`, so the node table is read in one round trip and the scripts that change it
 touch one Redis Cluster slot. A prompt's chunks all live in the group of its first chunk's hash h_1 (tag
@@ -281,6 +282,7 @@ class Directory:
         self._node_table = self._redis.register_script(_NODE_TABLE)
         self._expire = self._redis.register_script(_EXPIRE)
         self._owned: dict[int, set[bytes]] = {}  # incarnation -> groups already in its own index
+        self._own_lock = threading.Lock()
         self._holders_cache: dict[bytes, tuple[tuple[int, int], ...]] = {}
         self._cache_lock = threading.Lock()
         self._local = threading.local()  # per-thread lookup connection: no pool round trip on the hot path
@@ -342,11 +344,24 @@ class Directory:
     def _note_owned(self, lease: Lease, groups) -> None:
         """Add groups to the incarnation's own index (the groups it has entries in), once per group: what makes a
         purge cost the node's own entries instead of a keyspace scan."""
-        known = self._owned.setdefault(lease.incarnation, set())
-        new = [g for g in groups if g not in known]
-        if new:
-            self._redis.sadd(self.own_key(lease.incarnation), *new)
-            known.update(new)
+        with self._own_lock:
+            known = self._owned.setdefault(lease.incarnation, set())
+            new = [g for g in groups if g not in known]
+            if new:
+                self._redis.sadd(self.own_key(lease.incarnation), *new)
+                known.update(new)
+
+    def disown(self, lease: Lease, groups, still_empty) -> int:
+        """Take groups the incarnation no longer has entries in out of its own index, so that the index (and a
+        purge) stays the size of what it holds now. `still_empty(group)` is asked again under the index's lock:
+        a register racing with this adds its group back after, never before. Returns how many were taken out."""
+        with self._own_lock:
+            known = self._owned.get(lease.incarnation, set())
+            gone = [g for g in groups if g in known and still_empty(g)]
+            if gone:
+                self._redis.srem(self.own_key(lease.incarnation), *gone)
+                known.difference_update(gone)
+        return len(gone)
 
     def register(self, lease: Lease, tier: int, group: bytes, hashes: list[bytes]) -> None:
         if hashes:

@@ -73,6 +73,15 @@ def remove_stale_slabs(shm_dir: str = "/dev/shm") -> int:
     return removed
 
 
+def fit_slots(num_slots: int, slot_bytes: int, free_bytes: int) -> int:
+    """The CPU tier's slots: as configured, or, where the shared-memory file system cannot hold that many (a
+    sparse slab bigger than /dev/shm would die of SIGBUS when touched), as many as half its free space holds (the
+    other half is left to Ray's object store, which lives there too)."""
+    if num_slots * slot_bytes <= free_bytes:
+        return num_slots
+    return max(1, free_bytes // 2 // slot_bytes)
+
+
 class KVNode:
     def __init__(self, config: KVMeshConfig | dict, node_id: str, actor_name: str = "",
                  host: str = "127.0.0.1") -> None:
@@ -90,7 +99,12 @@ class KVNode:
         os.makedirs(cfg.shm_dir, exist_ok=True)
         remove_stale_slabs(cfg.shm_dir)
         path = os.path.join(cfg.shm_dir, f"kvmesh-{node_tag}-{os.getpid()}-{secrets.token_hex(4)}")
-        self.tier = CpuTier(path, cfg.num_slots, cfg.slot_bytes)  # the slab every reader maps
+        st = os.statvfs(cfg.shm_dir)
+        num_slots = fit_slots(cfg.num_slots, cfg.slot_bytes, st.f_bavail * st.f_frsize)
+        if num_slots < cfg.num_slots:  # one config for every node; this one's /dev/shm is smaller
+            log.warning("KVNode %s: cpu_bytes %d does not fit the %d bytes free in %s: a CPU tier of %d slots",
+                        node_id[:8], cfg.cpu_bytes, st.f_bavail * st.f_frsize, cfg.shm_dir, num_slots)
+        self.tier = CpuTier(path, num_slots, cfg.slot_bytes)  # the slab every reader maps
         gpu = None
         if cfg.gpu_bytes:
             import torch  # only nodes asked for a GPU tier import it
@@ -128,7 +142,7 @@ class KVNode:
         try:
             if cfg.peer_transport == "tcp":
                 self.data_server = DataServer(self._pin_for_send, self._unpin_sent, host)
-            self.info = NodeInfo(node_id, actor_name, path, cfg.num_slots * cfg.slot_bytes, cfg.slot_bytes,
+            self.info = NodeInfo(node_id, actor_name, path, num_slots * cfg.slot_bytes, cfg.slot_bytes,
                                  self.data_server.address if self.data_server else "")
             self.directory = Directory(cfg.redis_url, cfg.key_prefix)
             self.lease: Lease = self.directory.join(self.info, self._lease_ms)
@@ -154,7 +168,7 @@ class KVNode:
                 t.start()
                 self._io_threads.append(t)
         log.info("KVNode %s incarnation %d: %d slots of %d bytes at %s", node_id[:8], self.lease.incarnation,
-                 cfg.num_slots, cfg.slot_bytes, path)
+                 num_slots, cfg.slot_bytes, path)
 
     @property
     def _lease_ms(self) -> int:
@@ -477,6 +491,8 @@ class KVNode:
             for tier, groups in by_tier.items():
                 for group, keys in groups.items():
                     self.directory.register(self.lease, tier, group, keys)
+            if removed:  # groups this node no longer holds anything of leave its purge index
+                self.directory.disown(self.lease, list(removed), self._holds_no_chunk_of)
         except redis.RedisError as e:
             # Put the changes back (newer ones made meanwhile win) so the next heartbeat sends them again: a
             # removal that did not reach Redis must not leave the entry behind. Both calls are idempotent.
@@ -486,6 +502,10 @@ class KVNode:
                 self.stats_counts["directory_errors"] += 1
             self._dirty = True
             log.warning("KVNode %s: directory update failed (%s); will retry", self.node_id[:8], e)
+
+    def _holds_no_chunk_of(self, group: bytes) -> bool:
+        with self._lock:
+            return not self.cascade.holds_group(group)
 
     # -- maintenance ---------------------------------------------------------------------------------------------
     def _maintain(self) -> None:
@@ -715,6 +735,10 @@ class KVNode:
             assert not phantom, f"{len(phantom)} directory entries for chunks not held"
             moved = [c for c, t in held.items() if listed[c] != t]
             assert not moved, f"{len(moved)} directory entries name the wrong tier"
+            indexed = self.directory.redis.smembers(self.directory.own_key(self.lease.incarnation))
+            groups = {g for g, _ in held}
+            assert indexed == groups, (f"the purge index lists {len(indexed - groups)} group(s) not held and misses "
+                                       f"{len(groups - indexed)}")
 
     def shutdown(self) -> None:
         if self._stop.is_set():

@@ -19,6 +19,7 @@ or in `_by_key`, never both.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -59,6 +60,7 @@ class SlotPool:
         self._slots = [Slot() for _ in range(num_slots)]
         self._free = list(range(num_slots - 1, -1, -1))  # stack: low slots first
         self._by_key: dict[bytes, int] = {}
+        self.group_counts: Counter[bytes] = Counter()  # group -> slots holding (or receiving) its chunks
         self._policy = LRUPolicy()
 
     # -- queries ------------------------------------------------------------------------------------------------
@@ -110,6 +112,7 @@ class SlotPool:
         s = self._slots[slot]
         s.key, s.group, s.nbytes, s.pins, s.ready, s.doomed = key, group, nbytes, 1, False, False
         self._by_key[key] = slot
+        self.group_counts[group] += 1
         return StoreTicket(slot, key, evicted)
 
     def adopt(self, found: list[tuple[int, bytes, bytes, int, int]]) -> int:
@@ -125,6 +128,7 @@ class SlotPool:
             s.key, s.group, s.nbytes, s.checksum, s.pins, s.ready, s.doomed = (key, group, nbytes, chunk_checksum,
                                                                                0, True, False)
             self._by_key[key] = slot
+            self.group_counts[group] += 1
             self._policy.insert(key)
             taken += 1
         self._free = [i for i in self._free if i in free]
@@ -195,6 +199,9 @@ class SlotPool:
         assert s.pins == 0
         self._policy.remove(s.key)
         del self._by_key[s.key]
+        self.group_counts[s.group] -= 1
+        if not self.group_counts[s.group]:
+            del self.group_counts[s.group]
         s.key, s.group, s.nbytes, s.checksum, s.ready, s.doomed = None, b"", 0, 0, False, False
         self._free.append(slot)
 

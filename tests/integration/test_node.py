@@ -91,6 +91,20 @@ def test_eviction_unregisters_and_keeps_prefix_heads(node):
     node.check_integrity()
 
 
+def test_the_purge_index_follows_what_the_node_holds(node):
+    """A long-lived node churns through many prompt groups: its purge index lists only the groups it still holds
+    chunks of, so a purge after its death costs what it held, not every group it ever touched."""
+    own = node.directory.own_key(node.lease.incarnation)
+    r = node.directory.redis
+    for g in range(20):  # 20 groups of 4 chunks through an 8-slot tier: most of them are evicted again
+        items = [StoreItem(bytes([g + 1]) * 16, k(100 * g + i), SLOT, checksum(np.full(SLOT, i, np.uint8)))
+                 for i in range(4)]
+        node.store(pack_store(items), np.concatenate([np.full(SLOT, i, np.uint8) for i in range(4)]))
+    held = {grp for grp, _key, _tier in node.cascade.ready_chunks()}
+    assert len(held) <= 2 and r.smembers(own) == held
+    node.check_integrity(directory=True)  # which also checks the index against the tiers
+
+
 def test_bad_messages_raise_wire_error_and_the_node_keeps_serving(node):
     for bad in (b"junk", pack_keys([b"short"]), 42):
         with pytest.raises(WireError):

@@ -33,3 +33,16 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout_s} s")
         time.sleep(interval_s)
+
+
+def reachable(addr: str) -> bool:
+    """Whether something accepts TCP connections at `host:port` (e.g. a KVNode's data server, gone with its
+    process)."""
+    import socket
+
+    host, port = addr.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        return True
+    except OSError:
+        return False

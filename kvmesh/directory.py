@@ -36,6 +36,8 @@ Primitives:
     purge(inc) -> entries dropped                    mutates: every entry of a dead incarnation, via its own index
     entries_of(inc) -> {(group, field): tier}        read: an incarnation's entries, via its own index
     node_table() -> NodeTable                        read, one round trip
+    lookup(group, hashes, table) -> (holders, why)    read, one round trip: the longest live prefix
+    holders(group, hashes, table) -> [holders]       read, one round trip: every chunk's live holders
     lookup_raw(group, hashes) -> list[bytes | None]  read, one round trip
 """
 
@@ -494,6 +496,20 @@ class Directory:
                     self._holders_cache.clear()
                 self._holders_cache[value] = hit
         return hit
+
+    def lookup(self, group: bytes, hashes: list[bytes], table: NodeTable,
+               prefer: str | None = None) -> tuple[list[tuple[Holder, ...]], str | None]:
+        """One round trip: the live holders of each leading chunk of `hashes` (registered in `group`) that has one,
+        and why the run ends before `hashes` does ("not_cached", "holder_dead"; None if it does not). What the
+        client's lookups call."""
+        return self.longest_prefix_why(self.lookup_raw(group, hashes), table, prefer)
+
+    def holders(self, group: bytes, hashes: list[bytes], table: NodeTable,
+                prefer: str | None = None) -> list[tuple[Holder, ...]]:
+        """One round trip: the live holders of every chunk of `hashes` (an empty tuple where none), not only of the
+        leading run: what a store checks to skip the chunks already cached."""
+        return [r[0] if (r := self.longest_prefix([v], table, prefer)) else ()
+                for v in self.lookup_raw(group, hashes)]
 
     def longest_prefix(self, values: list[bytes | None], table: NodeTable,
                        prefer: str | None = None) -> list[tuple[Holder, ...]]:

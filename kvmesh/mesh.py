@@ -9,29 +9,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import msgpack
-
 from kvmesh.config import KVMeshConfig
+from kvmesh.handle import ACTOR_PREFIX, NAMESPACE, KVNodeActor, NodeHandle, actor_name
 from kvmesh.wire import NodeInfo
 
-NAMESPACE = "kvmesh"
-ACTOR_PREFIX = "kvnode-"
+__all__ = ["Mesh", "start", "stop", "node_actors", "NAMESPACE", "ACTOR_PREFIX", "actor_name"]
 log = logging.getLogger("kvmesh.mesh")
-
-
-def actor_name(node_id: str) -> str:
-    return f"{ACTOR_PREFIX}{node_id}"
-
-
-@dataclass(frozen=True, slots=True)
-class NodeHello:
-    info: NodeInfo
-    config: KVMeshConfig
-
-    @classmethod
-    def unpack(cls, data: bytes) -> "NodeHello":
-        _v, info, inc, cfg = msgpack.unpackb(data, raw=False)[:4]
-        return cls(NodeInfo.unpack(info, inc), KVMeshConfig(**cfg))
 
 
 @dataclass(frozen=True)
@@ -57,9 +40,7 @@ def _require_ray():
 def kvnode_actor_class():
     import ray
 
-    from kvmesh.node import KVNode
-
-    return ray.remote(KVNode)
+    return ray.remote(KVNodeActor)
 
 
 def start(redis_url: str | None = None, *, config: KVMeshConfig | None = None, timeout_s: float = 60.0,
@@ -100,7 +81,8 @@ def start(redis_url: str | None = None, *, config: KVMeshConfig | None = None, t
             max_concurrency=32, max_restarts=-1, max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **extra,
         ).remote(cfg.to_dict(), node_id, name, host))
-    hellos = [NodeHello.unpack(h) for h in ray.get([h.hello.remote() for h in handles], timeout=timeout_s)]
+    ray.get([h.hello.remote() for h in handles], timeout=timeout_s)  # every node is up
+    hellos = [NodeHandle(h, "").hello(timeout_s) for h in handles]
     return Mesh(cfg, tuple(h.info for h in hellos))
 
 

@@ -254,6 +254,7 @@ class LayerwiseLoad:
     started: object = None  # CUDA event recorded before the first copy (None on the CPU)
     cpu_seconds: float = 0.0  # on the CPU, how long the (synchronous) copies took
     checks: list = field(default_factory=list)  # futures of checksum verifications running beside the copies
+    checked: list = field(default_factory=list)  # checks[j] verifies chunk checked[j] (when given)
     on_release: list = field(default_factory=list)  # callbacks once the copies are done (e.g. unpin sources)
 
     @property
@@ -300,6 +301,14 @@ class LayerwiseLoad:
         """Whether every source chunk matched its checksum (waits for the checks). A consumer must not use what
         it computed from this load when this is False."""
         return all(f.result() for f in self.checks)
+
+    def first_unverified(self) -> int:
+        """The index of the first chunk whose verification failed, or the number of chunks if none did (waits
+        for the checks): the chunks before it may be used."""
+        bad = [i for i, f in zip(self.checked, self.checks) if not f.result()]
+        if len(self.checked) < len(self.checks) and not all(f.result() for f in self.checks):
+            return 0  # checks without chunk indices: nothing is known to be good
+        return min(bad, default=self.staging.shape[0])
 
     def release(self) -> None:
         """Wait for the copies, then run the release callbacks (sources may be reused after this)."""

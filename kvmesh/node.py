@@ -1,23 +1,22 @@
-"""`KVNode`: owns one Ray node's tiers and its directory registrations. A plain class; `mesh.py` wraps it as a
-Ray actor (threaded, so a long pull never blocks a pin). Every public method takes and returns wire messages
-(`wire.py`) or numpy buffers, validates them, and turns bad input into `WireError` rather than crashing.
+"""`KVNode`: owns one Ray node's tiers. A plain class with typed methods; `handle.KVNodeActor` is its wire edge,
+which `kvmesh.start` runs as a threaded Ray actor (so a long pull never blocks a pin).
 
-    hello() -> bytes                      NodeInfo, incarnation and config, for clients on this node
-    pin(PinRequest) -> PinReply           mutates: pins the leading run of held chunks for a same-node reader
+    hello() -> NodeHello                  reads: NodeInfo, incarnation and config, for clients on this node
+    pin(keys, requester) -> Pinned        mutates: pins the leading run of held chunks for a same-node reader
     unpin(pin_id)                         mutates
-    pull(PullRequest) -> (header, buf)    reads: the leading run of held chunks, verified, for a peer (the Ray
-                                          path; the node's DataServer serves the same over TCP, see transport.py)
-    store(StoreRequest, buf) -> int       mutates: places chunks in the CPU tier, registers them
-    report_corrupt(PinRequest) -> int     mutates: re-verifies the named chunks, drops the bad ones
-    pull_through(PullThrough) -> PinReply mutates: pins the leading run here for a same-node reader, first pulling
-                                          from the holder the chunks not here yet; concurrent readers of a chunk
-                                          share its one transfer (`inflight.py`), and the chunks pulled stay
-                                          here, registered (a replica), for the readers that come later
-    stats() -> dict                       reads
+    pull(keys, requester) -> Pulled       reads: the leading run of held chunks, verified, for a peer (the Ray path;
+                                          the node's DataServer serves the same over TCP, see transport.py)
+    store(items, buf) -> int              mutates: places chunks in the tiers; returns once they are registered
+    report_corrupt(keys) -> int           mutates: re-verifies the named chunks, drops the bad ones
+    pull_through(PullThrough) -> Pinned   mutates: pins the leading run here, first pulling from the holder the
+                                          chunks not here yet (`pullthrough.py`, through the data plane)
+    stats() -> dict, check_integrity(...) reads
     shutdown()                            mutates: unregisters, leaves the directory, frees the slab
 
-A background thread heartbeats the node's lease, re-registers everything after the directory lost it, and
-releases pins whose reader vanished.
+The node is a facade over parts that own their state: the tier `Cascade` and the pins (under `lock`), the
+`Registrar` (the single writer of the node's directory entries and lease), the `Janitor`, the `PullThrough`
+(with its own `Fetcher`), a `NodeView` of its peers, and the `DataServer`. Threads: Ray's request threads, the
+registrar's, one maintenance thread (pin expiry, promotions, telemetry, the janitor), the disk I/O threads.
 """
 
 from __future__ import annotations
@@ -31,26 +30,32 @@ import re
 import secrets
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
-import msgpack
 import numpy as np
 import redis
 
+from kvmesh.cascade import Cascade
 from kvmesh.config import KVMeshConfig
-from kvmesh.directory import FIELD_BYTES, Directory, Lease
+from kvmesh.dataplane.fetcher import Fetcher
+from kvmesh.dataplane.sources import Env
+from kvmesh.directory import FIELD_BYTES, Directory
+from kvmesh.handle import NodeHandle, NodeHello, Pinned, Pulled
+from kvmesh.janitor import Janitor
+from kvmesh.nodeview import NodeView
+from kvmesh.pullthrough import PullThrough
+from kvmesh.registrar import Registrar
 from kvmesh.telemetry import RayExporter, Records, export_node_stats
 from kvmesh.tiers import TIER_NAMES, checksum
-from kvmesh.cascade import Cascade
 from kvmesh.tiers.cpu import CpuTier
-from kvmesh.inflight import InflightPulls
-from kvmesh.transport import ChecksumError, DataClient, DataServer
-from kvmesh.wire import (NodeInfo, PinnedChunk, StoreItem, WireError, pack_chunk_header, pack_keys, pack_pin_reply,
-                         pack_store, unpack_chunk_header, unpack_keys, unpack_pull_through, unpack_request,
-                         unpack_store)
+from kvmesh.transport import DataClient, DataServer
+from kvmesh.wire import NodeInfo, PinnedChunk, StoreItem, WireError
+from kvmesh.wire import PullThrough as PullRequest
 
 log = logging.getLogger("kvmesh.node")
 _SLAB_RE = re.compile(r"^kvmesh-(?P<node>[0-9a-f]+)-(?P<pid>\d+)-[0-9a-f]+$")
+REGISTER_WAIT_S = 3.0  # a store returns once its chunks are registered, or after this (they stay queued)
 
 
 def remove_stale_slabs(shm_dir: str = "/dev/shm") -> int:
@@ -88,35 +93,19 @@ class KVNode:
         self.config = config if isinstance(config, KVMeshConfig) else KVMeshConfig(**config)
         self.node_id = node_id
         self.stats_counts: Counter[str] = Counter()
-        self._lock = threading.Lock()  # guards the tier, pins and stats
+        self.lock = threading.Lock()  # guards the cascade (tiers), the pins and the stats
         self._pins: dict[int, tuple[list[int], float]] = {}  # pin id -> (slots, monotonic deadline)
         self._pin_ids = itertools.count(1)
-        self._dirty = False  # a directory update failed; its changes are sent again on the next heartbeat
-        self._unregistered = False  # a re-registration after a resync failed; it is redone on the next heartbeat
-        self.fenced = False  # a newer incarnation of this node exists; stop registering
         cfg = self.config
-        node_tag = node_id[:16].lower()
         os.makedirs(cfg.shm_dir, exist_ok=True)
         remove_stale_slabs(cfg.shm_dir)
-        path = os.path.join(cfg.shm_dir, f"kvmesh-{node_tag}-{os.getpid()}-{secrets.token_hex(4)}")
+        path = os.path.join(cfg.shm_dir, f"kvmesh-{node_id[:16].lower()}-{os.getpid()}-{secrets.token_hex(4)}")
         st = os.statvfs(cfg.shm_dir)
         num_slots = fit_slots(cfg.num_slots, cfg.slot_bytes, st.f_bavail * st.f_frsize)
         if num_slots < cfg.num_slots:  # one config for every node; this one's /dev/shm is smaller
             log.warning("KVNode %s: cpu_bytes %d does not fit the %d bytes free in %s: a CPU tier of %d slots",
                         node_id[:8], cfg.cpu_bytes, st.f_bavail * st.f_frsize, cfg.shm_dir, num_slots)
         self.tier = CpuTier(path, num_slots, cfg.slot_bytes)  # the slab every reader maps
-        gpu = None
-        if cfg.gpu_bytes:
-            import torch  # only nodes asked for a GPU tier import it
-
-            if cfg.gpu_device.startswith("cuda") and not torch.cuda.is_available():
-                # one configuration serves every node of a cluster; a node without a GPU goes without the tier
-                log.warning("KVNode %s: gpu_bytes is set but this node has no CUDA device: no GPU tier",
-                            node_id[:8])
-            else:
-                from kvmesh.tiers.gpu import GpuTier
-
-                gpu = GpuTier(cfg.gpu_bytes // cfg.slot_bytes, cfg.slot_bytes, cfg.gpu_device)
         disk = None
         if cfg.disk_bytes:
             from kvmesh.tiers.disk import DiskTier, claim_directory
@@ -124,20 +113,17 @@ class KVNode:
             disk_path, lock_fd = claim_directory(cfg.disk_dir, node_id)  # not named by the node id: see there
             disk = DiskTier(disk_path, cfg.disk_bytes // cfg.slot_bytes, cfg.slot_bytes,
                             direct_io=cfg.disk_direct_io, lock_fd=lock_fd)
-        self.cascade = Cascade(self.tier, gpu, disk, cfg.write_policy)
-        self._io = queue.SimpleQueue()  # disk writes and the start-up verification, run by the I/O threads
+        self.cascade = Cascade(self.tier, self._gpu_tier(), disk, cfg.write_policy)
+        self._io: queue.SimpleQueue = queue.SimpleQueue()  # disk writes and the start-up verification (I/O threads)
         recovered = disk.recover() if disk is not None else []
         if recovered:  # readable at once (every disk read is verified); registered once verified below
             disk.adopt([(r.slot, r.key, r.group, r.nbytes, r.checksum) for r in recovered])
             for r in recovered:
                 self._io.put(("verify", r))
         self._promote: list[bytes] = []  # keys hit on the CPU tier, promoted by the maintenance thread
-        self._inflight = InflightPulls()  # chunks being pulled from peers for this node's readers (under _lock)
-        self._peers = DataClient()  # this node's connections to peers' DataServers, for pull_through
-        self._peer_table = None  # the directory's node table, read at most every node_refresh_s (pull_through)
-        self._peer_table_at = -1e9
         self._served: Counter[str] = Counter()  # bytes served, by requesting node id
         self._group_hits: Counter[bytes] = Counter()  # chunk hits by prompt group (first-chunk hash)
+        self._pending_events: list = []
         self.data_server = None
         try:
             if cfg.peer_transport == "tcp":
@@ -145,21 +131,30 @@ class KVNode:
             self.info = NodeInfo(node_id, actor_name, path, num_slots * cfg.slot_bytes, cfg.slot_bytes,
                                  self.data_server.address if self.data_server else "")
             self.directory = Directory(cfg.redis_url, cfg.key_prefix)
-            self.lease: Lease = self.directory.join(self.info, self._lease_ms)
-            self._server = self.directory.server_identity()  # the Redis server(s) this incarnation registered with
-            self._to_purge: list[int] = [self.lease.previous] if self.lease.previous else []
+            self.janitor = Janitor(self.directory, node_id, cfg.lease_s, lambda: self.registrar.lease, self._count,
+                                   self._event)
+            self.registrar = Registrar(self.directory, self.info, self._lease_ms, cfg.heartbeat_s, self.lock,
+                                       self.cascade.ready_chunks, self.cascade.holds_group, self._count,
+                                       self._event, self.janitor.purge_later)
         except Exception:
             if self.data_server:
                 self.data_server.shutdown()
             self.tier.close()
             raise
+        self.janitor.purge_later([self.registrar.lease.previous])
+        self.view = NodeView(self.directory.node_table, 5.0, cfg.node_refresh_s)  # peers, for pull-throughs
+        self.peers = lambda node: NodeHandle.find(node, self.node_id)  # a peer's KVNode (without Ray: none)
+        self._peers = DataClient()  # this node's connections to peers' DataServers
+        self._pull_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-node-pull")
+        self.pull_through_part = PullThrough(self, Fetcher(Env(node_id, None, None, 0, lambda n: self.peers(n),
+                                                               self.view, self._peers, self._pull_pool)),
+                                             self._count)
         self._records = Records(self.directory.redis, cfg.key_prefix)
         self._ray_metrics = RayExporter()
         self._last_published: dict = {}
-        self._pending_events: list = []
-        self._dead_since: dict[int, float] = {}  # lapsed incarnation -> when the janitor first saw it
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._maintain, name="kvmesh-node-heartbeat", daemon=True)
+        self._closed = False
+        self._thread = threading.Thread(target=self._maintain, name="kvmesh-node-maintenance", daemon=True)
         self._thread.start()
         self._io_threads = []
         if disk is not None:
@@ -170,41 +165,61 @@ class KVNode:
         log.info("KVNode %s incarnation %d: %d slots of %d bytes at %s", node_id[:8], self.lease.incarnation,
                  num_slots, cfg.slot_bytes, path)
 
+    def _gpu_tier(self):
+        cfg = self.config
+        if not cfg.gpu_bytes:
+            return None
+        import torch  # only nodes asked for a GPU tier import it
+
+        if cfg.gpu_device.startswith("cuda") and not torch.cuda.is_available():
+            # one configuration serves every node of a cluster; a node without a GPU goes without the tier
+            log.warning("KVNode %s: gpu_bytes is set but this node has no CUDA device: no GPU tier", self.node_id[:8])
+            return None
+        from kvmesh.tiers.gpu import GpuTier
+
+        return GpuTier(cfg.gpu_bytes // cfg.slot_bytes, cfg.slot_bytes, cfg.gpu_device)
+
     @property
     def _lease_ms(self) -> int:
         return int(self.config.lease_s * 1000)
 
-    # -- same-node readers ---------------------------------------------------------------------------------------
-    def hello(self) -> bytes:
-        return msgpack.packb([1, self.info.pack(), self.lease.incarnation, self.config.to_dict()],
-                             use_bin_type=True)
+    @property
+    def lease(self):
+        return self.registrar.lease
 
-    def pin(self, request: bytes) -> bytes:
-        keys, _requester = unpack_request(request, "PinRequest")
+    @property
+    def fenced(self) -> bool:
+        return self.registrar.fenced
+
+    # -- same-node readers ---------------------------------------------------------------------------------------
+    def hello(self) -> NodeHello:
+        return NodeHello(self.info.with_incarnation(self.lease.incarnation), self.config)
+
+    def pin(self, keys: list[bytes], requester: str = "") -> Pinned:
         slots = self._pin_host(keys)
-        with self._lock:
-            self._account(self.node_id, slots)
+        with self.lock:
+            self._account(requester or self.node_id, slots)
             pin_id = next(self._pin_ids)
             if slots:
                 self._pins[pin_id] = (slots, time.monotonic() + self.config.pin_ttl_s)
             rows = [PinnedChunk(s, self.tier.record(s).nbytes, self.tier.record(s).checksum) for s in slots]
             self.stats_counts["pins"] += 1
             self.stats_counts["pinned_chunks"] += len(slots)
-        return pack_pin_reply(pin_id, rows, self.info.slab_path)
+        return Pinned(pin_id, rows, self.info.slab_path)
 
     def _pin_host(self, keys: list[bytes]) -> list[int]:
         """Pin the leading run of `keys` in the CPU slab: GPU-only chunks are copied into it, disk-only ones
         read into it (without the lock held). Call without the lock."""
-        with self._lock:
+        with self.lock:
             n, reads = self.cascade.prepare_host(keys)
         ok = self.cascade.run_reads(reads) if reads else []
-        with self._lock:
+        with self.lock:
             self.cascade.discard_corrupt()
             slots = self.cascade.finish_host(keys, n, reads, ok)
             if self.cascade.gpu is not None and self.config.promote_on_hit:
                 self._promote.extend(keys[:len(slots)])
-        if reads:
-            self._sync_directory()
+            if reads:
+                self._post_changes()
         return slots
 
     def _account(self, requester: str, slots: list[int]) -> None:
@@ -221,16 +236,13 @@ class KVNode:
             self._group_hits = Counter(dict(self._group_hits.most_common(1024)))
 
     def unpin(self, pin_id: int) -> None:
-        if isinstance(pin_id, bool) or not isinstance(pin_id, int):
-            raise WireError(f"pin_id must be an int, got {type(pin_id).__name__}")
-        with self._lock:
+        with self.lock:
             entry = self._pins.pop(pin_id, None)
             if entry is not None:
                 self.tier.unpin(entry[0])
 
-    def report_corrupt(self, request: bytes) -> int:
-        keys = unpack_keys(request, "PinRequest")
-        with self._lock:
+    def report_corrupt(self, keys: list[bytes]) -> int:
+        with self.lock:
             slots = self.tier.pin(keys)
         bad = []
         try:
@@ -238,17 +250,16 @@ class KVNode:
                 if not self.tier.verify(s):
                     bad.append(s)
         finally:
-            with self._lock:
-                bad_chunks = [(self.tier.record(s).group, self.tier.record(s).key) for s in bad]
+            with self.lock:
+                bad_keys = [self.tier.record(s).key for s in bad]
                 self.tier.unpin(slots)
-        self._drop(bad_chunks)
-        return len(bad_chunks)
+        self._drop(bad_keys)
+        return len(bad_keys)
 
     # -- peers ---------------------------------------------------------------------------------------------------
-    def pull(self, request: bytes) -> tuple[bytes, np.ndarray]:
-        keys, requester = unpack_request(request, "PullRequest")
+    def pull(self, keys: list[bytes], requester: str = "") -> Pulled:
         slots = self._pin_host(keys)
-        with self._lock:
+        with self.lock:
             self._account(requester or "?", slots)
             sizes = [self.tier.record(s).nbytes for s in slots]
         out = np.empty(sum(sizes), dtype=np.uint8)
@@ -264,20 +275,20 @@ class KVNode:
                 rows.append((n, c))
                 off += n
         finally:
-            with self._lock:
-                bad_chunks = [(self.tier.record(s).group, self.tier.record(s).key) for s in bad]
+            with self.lock:
+                bad_keys = [self.tier.record(s).key for s in bad]
                 self.tier.unpin(slots)
                 self.stats_counts["pulls"] += 1
                 self.stats_counts["pulled_chunks"] += len(rows)
                 self.stats_counts["pulled_bytes"] += off
-        self._drop(bad_chunks)
-        return pack_chunk_header(rows), out[:off]
+        self._drop(bad_keys)
+        return Pulled(rows, out[:off])
 
     def _pin_for_send(self, keys: list[bytes], requester: str = "") -> tuple[list[int], list[tuple[int, int]],
                                                                            list[memoryview]]:
         """For the DataServer: pin the leading run of `keys`; the client verifies the checksums it receives."""
         slots = self._pin_host(keys)
-        with self._lock:
+        with self.lock:
             self._account(requester or "?", slots)
             rows = [(self.tier.record(s).nbytes, self.tier.record(s).checksum) for s in slots]
             self.stats_counts["pulls"] += 1
@@ -286,140 +297,15 @@ class KVNode:
         return slots, rows, [self.tier.chunk_view(s) for s in slots]
 
     def _unpin_sent(self, slots: list[int]) -> None:
-        with self._lock:
+        with self.lock:
             self.tier.unpin(slots)
 
-    # -- pull-through: one transfer per chunk for all the readers of this node -----------------------------------
-    def pull_through(self, request: bytes) -> bytes:
-        req = unpack_pull_through(request)
-        deadline = time.monotonic() + req.deadline_ms / 1000
-        with self._lock:
-            mine, theirs = self._inflight.claim(req.keys, self.cascade.holds)
-        pulled = 0
-        try:
-            if mine:
-                pulled = self._pull_from_peer(req, mine, deadline)
-        finally:
-            with self._lock:
-                events = self._inflight.release(mine)
-                self.stats_counts["pull_through_calls"] += 1
-                self.stats_counts["pull_through_pulled_chunks"] += pulled
-                self.stats_counts["pull_through_waited_chunks"] += len(theirs)
-            for ev in events:
-                ev.set()
-        for ev in theirs.values():  # another reader's transfer of these chunks; the tier says how it went
-            if not ev.wait(max(0.0, deadline - time.monotonic())):
-                break
-        return self.pin(pack_keys(req.keys, self.node_id))
-
-    def _pull_from_peer(self, req, keys: list[bytes], deadline: float) -> int:
-        """Bring the leading run of `keys` from the holder into this node's tiers and register it; returns how
-        many chunks landed. Failures end the run early and are counted, never raised."""
-        info = self._peer_info(req.holder)
-        if info is None or info.node_id == self.node_id:
-            self._count("pull_through_holder_unknown")
-            return 0
-        with self._lock:
-            direct = self.cascade.top is self.tier and req.nbytes <= self.tier.slot_bytes
-        if req.transport == "tcp" and info.data_addr and direct:
-            return self._pull_tcp_into_slab(req, keys, info.data_addr, deadline)
-        try:  # through Ray (or above a GPU tier): into a buffer, then the store path checks and places it
-            if req.transport == "tcp" and info.data_addr:
-                buf = np.empty(len(keys) * req.nbytes, dtype=np.uint8)
-                sums: list[int] = []
-                k, err = self._peers.pull(info.data_addr, keys, req.nbytes,
-                                          lambda j: [buf[j * req.nbytes:(j + 1) * req.nbytes]], deadline,
-                                          self.node_id, sums)
-                rows = list(zip([req.nbytes] * k, sums))
-                if isinstance(err, ChecksumError):
-                    self._report_to_holder(req.holder, keys[k:k + 1])
-            else:
-                import ray
-
-                from kvmesh.mesh import NAMESPACE
-
-                if not ray.is_initialized():  # a KVNode outside Ray (tests): no Ray path; never start a Ray here
-                    raise ConnectionError("not inside a Ray cluster")
-                actor = ray.get_actor(info.actor_name, namespace=NAMESPACE)
-                header, buf = ray.get(actor.pull.remote(pack_keys(keys, self.node_id)),
-                                      timeout=max(0.0, deadline - time.monotonic()))
-                rows = unpack_chunk_header(header)
-                err = None
-        except Exception as e:  # Ray errors, a vanished actor, a timeout: a shorter read
-            self._count(f"pull_through_error_{type(e).__name__}")
-            return 0
-        if err is not None:
-            self._count(f"pull_through_error_{type(err).__name__}")
-        n = 0
-        while n < len(rows) and rows[n][0] == req.nbytes and (n + 1) * req.nbytes <= buf.size:
-            n += 1
-        if not n:
-            return 0
-        items = [StoreItem(req.group, key, req.nbytes, c) for key, (_, c) in zip(keys, rows[:n])]
-        return self.store(pack_store(items), buf[: n * req.nbytes])
-
-    def _pull_tcp_into_slab(self, req, keys: list[bytes], address: str, deadline: float) -> int:
-        """Receive straight into reserved slab slots (the socket writes the shared memory; the checksum is
-        checked as the bytes arrive), then make them readable and register them."""
-        tickets = []
-        protect = frozenset(req.keys)
-        with self._lock:
-            for key in keys:
-                t = self.cascade.prepare(key, req.group, req.nbytes, protect)
-                if t is None:  # no unpinned slot to evict, or a store of it just began
-                    break
-                tickets.append(t)
-        sums: list[int] = []
-        k = 0
-        try:
-            if tickets:
-                k, err = self._peers.pull(
-                    address, keys[:len(tickets)], req.nbytes,
-                    lambda j: [np.frombuffer(self.tier.buffer(tickets[j].slot), dtype=np.uint8)[: req.nbytes]],
-                    deadline, self.node_id, sums)
-                if err is not None:
-                    self._count(f"pull_through_error_{type(err).__name__}")
-                    if isinstance(err, ChecksumError):  # the holder's copy is bad: it re-verifies and drops it
-                        self._report_to_holder(req.holder, keys[k:k + 1])
-        finally:
-            with self._lock:
-                for j, t in enumerate(tickets):
-                    if j < k:
-                        self.cascade.complete(t, sums[j])
-                    else:
-                        self.cascade.abort(t)
-                self.stats_counts["stored_chunks"] += k
-        self._sync_directory()
-        return k
-
-    def _report_to_holder(self, holder: str, keys: list[bytes]) -> None:
-        try:
-            import ray
-
-            from kvmesh.mesh import NAMESPACE, actor_name
-
-            if ray.is_initialized():
-                ray.get_actor(actor_name(holder), namespace=NAMESPACE).report_corrupt.remote(pack_keys(keys))
-        except Exception as e:  # the holder is gone: nothing to tell
-            log.debug("could not report a corrupt chunk to %s: %s", holder[:8], e)
-
-    def _peer_info(self, node_id: str) -> NodeInfo | None:
-        """The live holder's record, from a node table at most node_refresh_s old (read again if it is older and
-        does not name the holder)."""
-        table = self._peer_table
-        if table is not None and (info := table.get(node_id)) is not None \
-                and time.monotonic() - self._peer_table_at <= self.config.node_refresh_s:
-            return info
-        try:
-            self._peer_table, self._peer_table_at = self.directory.node_table().by_node(), time.monotonic()
-        except redis.RedisError:
-            return None
-        return self._peer_table.get(node_id)
+    def pull_through(self, req: PullRequest) -> Pinned:
+        self.pull_through_part.run(req)
+        return self.pin(req.keys, self.node_id)
 
     # -- stores --------------------------------------------------------------------------------------------------
-    def store(self, request: bytes, data) -> int:
-        items = unpack_store(request)
-        buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+    def store(self, items: list[StoreItem], buf: np.ndarray) -> int:
         if buf.dtype != np.uint8 or buf.ndim != 1 or buf.size != sum(i.nbytes for i in items):
             raise WireError("StoreRequest: buffer size does not match the header")
         offsets = list(itertools.accumulate((i.nbytes for i in items), initial=0))
@@ -431,7 +317,7 @@ class KVNode:
                 counts["store_refused_too_big"] += 1
                 continue
             src = buf[offsets[idx]:offsets[idx + 1]]
-            with self._lock:
+            with self.lock:
                 ticket = self.cascade.prepare(item.key, item.group, item.nbytes)
                 top = self.cascade.top
             if ticket is None:
@@ -447,65 +333,40 @@ class KVNode:
                     import torch
 
                     top.buffer(ticket.slot)[: item.nbytes].copy_(torch.from_numpy(src))
-            with self._lock:
+            with self.lock:
                 if ok:
                     self.cascade.complete(ticket, item.checksum)
                 else:
                     self.cascade.abort(ticket)
             counts["stored_chunks" if ok else "store_corrupt_in_transit"] += 1
-        with self._lock:
+        with self.lock:
             self.stats_counts.update(counts)
-        self._sync_directory()
+            seq = self._post_changes()
+        self.registrar.wait(seq, REGISTER_WAIT_S)
         return counts["stored_chunks"]
 
-    def _drop(self, chunks: list[tuple[bytes, bytes]]) -> None:
+    def _drop(self, keys: list[bytes]) -> None:
         """Forget corrupt chunks: out of every tier and out of the directory."""
-        if not chunks:
+        if not keys:
             return
-        with self._lock:
-            for _group, key in chunks:
+        with self.lock:
+            for key in keys:
                 self.cascade.discard(key)
-            self.stats_counts["corrupt_dropped"] += len(chunks)
-        log.warning("KVNode %s dropped %d corrupt chunk(s)", self.node_id[:8], len(chunks))
-        self._event("corrupt_chunk", "checksum", f"{len(chunks)} chunk(s) dropped")
-        self._sync_directory()
+            self.stats_counts["corrupt_dropped"] += len(keys)
+            self._post_changes()
+        log.warning("KVNode %s dropped %d corrupt chunk(s)", self.node_id[:8], len(keys))
+        self._event("corrupt_chunk", "checksum", f"{len(keys)} chunk(s) dropped")
 
-    def _sync_directory(self) -> None:
-        """Tell the directory what the cascade changed: each chunk's best tier now, or that it is gone."""
-        with self._lock:
-            changes = self.cascade.drain()
-            for job in self.cascade.take_writes():
-                self._io.put(("write", job))
-        if not changes or self.fenced:
-            return
-        removed: dict[bytes, list[bytes]] = defaultdict(list)
-        by_tier: dict[int, dict[bytes, list[bytes]]] = defaultdict(lambda: defaultdict(list))
-        for (group, key), tier in changes.items():
-            if tier is None:
-                removed[group].append(key)
-            else:
-                by_tier[tier][group].append(key)
-        try:
-            for group, keys in removed.items():
-                self.directory.unregister(self.lease, group, keys)
-            for tier, groups in by_tier.items():
-                for group, keys in groups.items():
-                    self.directory.register(self.lease, tier, group, keys)
-            if removed:  # groups this node no longer holds anything of leave its purge index
-                self.directory.disown(self.lease, list(removed), self._holds_no_chunk_of)
-        except redis.RedisError as e:
-            # Put the changes back (newer ones made meanwhile win) so the next heartbeat sends them again: a
-            # removal that did not reach Redis must not leave the entry behind. Both calls are idempotent.
-            with self._lock:
-                for change, tier in changes.items():
-                    self.cascade.changes.setdefault(change, tier)
-                self.stats_counts["directory_errors"] += 1
-            self._dirty = True
-            log.warning("KVNode %s: directory update failed (%s); will retry", self.node_id[:8], e)
+    def post_changes(self) -> int:
+        with self.lock:
+            return self._post_changes()
 
-    def _holds_no_chunk_of(self, group: bytes) -> bool:
-        with self._lock:
-            return not self.cascade.holds_group(group)
+    def _post_changes(self) -> int:
+        """Caller holds the lock: hand what the cascade changed to the registrar (in order), and its disk writes to
+        the I/O threads. Returns the registrar's sequence number for `wait`."""
+        for job in self.cascade.take_writes():
+            self._io.put(("write", job))
+        return self.registrar.post(self.cascade.drain())
 
     # -- maintenance ---------------------------------------------------------------------------------------------
     def _maintain(self) -> None:
@@ -516,82 +377,12 @@ class KVNode:
             if self.fenced:
                 continue
             try:
-                self._janitor()
+                self.janitor.round()
             except redis.RedisError as e:
                 log.debug("janitor round failed: %s", e)
-            try:
-                state = self.directory.heartbeat(self.lease, self._lease_ms)
-                if state == "ok" and self.directory.server_identity() != self._server:
-                    state = "resync"  # a restarted or failed-over Redis: it may lack or keep entries wrongly
-                    self._count("directory_server_changed")
-                if state == "resync":
-                    self._resync()
-                elif state == "fenced":
-                    self.fenced = True
-                    log.warning("KVNode %s incarnation %d was superseded; no longer registering",
-                                self.node_id[:8], self.lease.incarnation)
-                elif self._unregistered:
-                    self._reregister()
-                elif self._dirty:
-                    self._dirty = False
-                    self._sync_directory()
-            except redis.RedisError as e:
-                with self._lock:
-                    self.stats_counts["directory_errors"] += 1
-                log.debug("heartbeat failed: %s", e)
-
-    # -- janitor: purging what dead and superseded incarnations left behind --------------------------------------
-    def _janitor(self) -> None:
-        """Each heartbeat: purge this node's own previous incarnation once; and, on the one node that holds the
-        janitor claim, end the leases of nodes Ray reports dead and purge incarnations that lapsed. Readers never
-        see such entries anyway (they check incarnations and leases); purging gives back their memory, and Ray's
-        word ends a dead node's lease before it would lapse."""
-        d = self.directory
-        while self._to_purge:
-            inc = self._to_purge[0]
-            n = d.purge(inc)
-            self._to_purge.pop(0)
-            self._count("purged_entries", n)
-        if not d.claim("janitor", f"{self.node_id}:{self.lease.incarnation}", int(self._lease_ms)):
-            return
-        table = d.node_table()
-        for node_id in self._ray_dead_nodes(table):
-            info = table.by_node()[node_id]
-            if d.expire(node_id, info.incarnation):
-                self._count("ray_reported_dead")
-                self._event("node_dead", "ray", node_id[:12])
-                self._purge(node_id, info.incarnation)
-        now = time.monotonic()
-        for node_id, inc in (table.dead_incarnations or {}).items():
-            first = self._dead_since.setdefault(inc, now)
-            # A short grace for a heartbeat that is merely late, so that the purge lands within 2 lease periods of
-            # the node's death (lapse <= 1 lease, first seen <= 1 heartbeat later, then this). Purging a node that
-            # was alive after all is safe: its next heartbeat finds its row gone, and it re-joins and re-registers.
-            if now - first >= self.config.lease_s / 4:
-                self._purge(node_id, inc)
-        self._dead_since = {i: t for i, t in self._dead_since.items()
-                            if i in (table.dead_incarnations or {}).values()}
-
-    def _purge(self, node_id: str, inc: int) -> None:
-        if self.directory.claim(f"purge:{inc}", self.node_id, 60_000):
-            self._count("purged_entries", self.directory.purge(inc))
-            self.directory.forget(node_id, inc)
-            self._count("purged_incarnations")
-
-    def _ray_dead_nodes(self, table) -> list[str]:
-        """Live directory nodes that Ray's GCS says are dead (only inside a Ray cluster)."""
-        try:
-            import ray
-
-            if not ray.is_initialized():
-                return []
-            dead = {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
-        except Exception:  # no Ray here, or its GCS did not answer: the leases still decide
-            return []
-        return [node_id for node_id in table.by_node() if node_id in dead and node_id != self.node_id]
 
     def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
+        with self.lock:
             self.stats_counts[name] += n
 
     def _publish(self) -> None:
@@ -624,19 +415,20 @@ class KVNode:
                                      item.checksum)
                 except OSError as e:
                     ok = False
-                    with self._lock:
-                        self.stats_counts[f"disk_write_{errno.errorcode.get(e.errno, 'error')}"] += 1
+                    code = errno.errorcode.get(e.errno, "error")
+                    self._count(f"disk_write_{code}")
                     log.warning("KVNode %s: disk write failed (%s); the chunk stays where it was or is dropped",
                                 self.node_id[:8], e)
-                    self._event("disk_write_failed", errno.errorcode.get(e.errno, "error"), str(e))
-                with self._lock:
+                    self._event("disk_write_failed", code, str(e))
+                with self.lock:
                     self.cascade.finish_write(item, ok)
+                    self._post_changes()
             elif kind == "verify":  # a chunk found on disk at start-up: register it once its bytes check out
                 try:
                     good = checksum(disk.read_chunk(item.slot, item.nbytes)) == item.checksum
                 except OSError:
                     good = False
-                with self._lock:
+                with self.lock:
                     if disk.record(item.slot).key != item.key:
                         continue  # already gone (evicted or read and found corrupt)
                     if good:
@@ -646,54 +438,40 @@ class KVNode:
                         disk.invalidate(item.slot)
                         self.cascade.discard(item.key)
                         self.stats_counts["disk_recovery_corrupt"] += 1
-            self._sync_directory()
+                    self._post_changes()
 
     def _run_promotions(self) -> None:
-        with self._lock:
+        with self.lock:
             keys, self._promote = self._promote, []
             if keys:
                 self.cascade.promote(list(dict.fromkeys(keys)))
-        if keys:
-            self._sync_directory()
+                self._post_changes()
 
     def _expire_pins(self) -> None:
         now = time.monotonic()
-        with self._lock:
+        with self.lock:
             for pin_id in [p for p, (_, deadline) in self._pins.items() if deadline < now]:
                 self.tier.unpin(self._pins.pop(pin_id)[0])
                 self.stats_counts["pins_expired"] += 1
 
-    def _resync(self) -> None:
-        """The directory lost this node (restarted empty, or failed over): re-join under a new incarnation so
-        nothing registered before can be mistaken for current, then register everything held."""
-        old = self.lease.incarnation
-        self._server = self.directory.server_identity()
-        self.lease = self.directory.join(self.info, self._lease_ms, old)
-        # What the old incarnation registered in this Redis before the heartbeat noticed (an emptied Redis does
-        # not know it as "previous") is dead now; give its memory back too.
-        for inc in dict.fromkeys((self.lease.previous, old)):
-            if inc and inc != self.lease.incarnation:
-                self._to_purge.append(inc)
-        with self._lock:
-            self.stats_counts["resyncs"] += 1
-        log.warning("KVNode %s re-joined the directory as incarnation %d", self.node_id[:8], self.lease.incarnation)
-        self._event("resync", "directory_lost", f"incarnation {self.lease.incarnation}")
-        self._reregister()
-
-    def _reregister(self) -> None:
-        self._unregistered = True  # until every held chunk is registered under the current incarnation
-        with self._lock:
-            chunks = self.cascade.ready_chunks()
-            self.cascade.drain()  # everything is registered afresh below
-        by_tier: dict[int, dict[bytes, list[bytes]]] = defaultdict(lambda: defaultdict(list))
-        for group, key, tier in chunks:
-            by_tier[tier][group].append(key)
-        for tier, groups in by_tier.items():  # a RedisError leaves _unregistered set: the next heartbeat redoes it
-            self.directory.register_many(self.lease, tier, groups)
-        self._unregistered = False
+    def locate(self, keys: list[bytes]) -> list[list]:
+        """Per key, [tier name, file, byte offset] of each copy held in the CPU slab or on disk (diagnostics, and
+        the tests that damage a chunk where it lies)."""
+        out = []
+        with self.lock:
+            for key in keys:
+                where = []
+                slot = self.tier.slot_of(key)
+                if slot is not None:
+                    where.append(["cpu", self.tier.path, slot * self.tier.slot_bytes])
+                disk = self.cascade.disk
+                if disk is not None and (dslot := disk.slot_of(key)) is not None:
+                    where.append(["disk", disk.path, disk.data_offset(dslot)])
+                out.append(where)
+        return out
 
     def stats(self) -> dict:
-        with self._lock:
+        with self.lock:
             d = dict(self.stats_counts)
             c = self.cascade
             d.update(c.counts, evictions=sum(c.evictions.values()), evictions_by_tier=dict(c.evictions),
@@ -722,12 +500,12 @@ class KVNode:
         exactly the chunks held, each at its best tier, under this incarnation: nothing held is unfindable and
         nothing findable is missing. Call it while no stores or reads are in flight."""
         if directory:
-            self._sync_directory()
-        with self._lock:
+            self.post_changes()
+            assert self.registrar.flush(10.0), "directory updates are still pending"
+        with self.lock:
             self.cascade.check_integrity(verify_checksums=verify_checksums)
             held = {(g, k[:FIELD_BYTES]): t for g, k, t in self.cascade.ready_chunks()}
         if directory and not self.fenced:
-            assert not (self._dirty or self._unregistered), "directory updates are still pending"
             listed = self.directory.entries_of(self.lease.incarnation)
             unfindable = held.keys() - listed.keys()
             phantom = listed.keys() - held.keys()
@@ -741,21 +519,18 @@ class KVNode:
                                        f"{len(groups - indexed)}")
 
     def shutdown(self) -> None:
-        if self._stop.is_set():
+        if self._closed:
             return
+        self._closed = True
         self._stop.set()
         self._thread.join(timeout=5)
         if self.data_server:
             self.data_server.shutdown()
         self._peers.close()
-        try:
-            with self._lock:
-                for group, key, _tier in self.cascade.ready_chunks():
-                    self.cascade.changes[(group, key)] = None
-            self._sync_directory()
-            self.directory.leave(self.lease)
-        except redis.RedisError:
-            pass  # the lease lapses on its own
+        self._pull_pool.shutdown(wait=False)
+        with self.lock:
+            held = self.cascade.ready_chunks()
+        self.registrar.shutdown(held)
         for t in self._io_threads:
             t.join(timeout=5)
         self.directory.close()

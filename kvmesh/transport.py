@@ -119,6 +119,22 @@ class DataServer:
         self._thread.join(timeout=2)
 
 
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float, cancel: threading.Event | None) -> int:
+    """One receive into `view`, by the deadline. A pull that can be cancelled waits in steps of at most 0.1 s and
+    checks `cancel` between them (a step that times out with nothing received costs nothing)."""
+    while True:
+        left = deadline - time.monotonic()
+        if cancel is not None and cancel.is_set():
+            raise TimeoutError("cancelled")
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        sock.settimeout(min(0.1, left) if cancel is not None else left)
+        try:
+            return sock.recv_into(view)
+        except TimeoutError:
+            continue
+
+
 class DataClient:
     """Pulls chunks from peers' DataServers, keeping one idle connection per peer for reuse."""
 
@@ -139,12 +155,16 @@ class DataClient:
         return sock
 
     def pull(self, address: str, keys: list[bytes], expected_nbytes: int, dest: Callable[[int], list],
-             deadline: float, requester: str = "", checksums: list | None = None) -> tuple[int, Exception | None]:
+             deadline: float, requester: str = "", checksums: list | None = None,
+             cancel: threading.Event | None = None) -> tuple[int, Exception | None]:
         """Pull `keys` from the peer at `address`; chunk j's bytes go into the writable buffers `dest(j)`, in
         order (they add up to `expected_nbytes`). Returns how many leading chunks arrived intact, and the error
         that ended the pull early (None when the peer sent every chunk it holds). `checksums`, if given, gets
-        the verified checksum of each intact chunk appended."""
+        the verified checksum of each intact chunk appended. Setting `cancel` ends the pull within ~0.1 s (the
+        caller stopped waiting for it); its error is then a `TimeoutError`."""
         done = 0
+        if cancel is not None and cancel.is_set():
+            return 0, TimeoutError("cancelled")
         try:
             sock = self._connect(address, deadline)
         except OSError as e:
@@ -161,8 +181,7 @@ class DataClient:
                     view = memoryview(buf).cast("B")
                     got = 0
                     while got < len(view):
-                        sock.settimeout(max(0.01, deadline - time.monotonic()))
-                        k = sock.recv_into(view[got:])
+                        k = _recv_into(sock, view[got:], deadline, cancel)
                         if not k:
                             raise ConnectionError("peer closed the connection mid-chunk")
                         got += k
@@ -172,7 +191,7 @@ class DataClient:
                 if checksums is not None:
                     checksums.append(want)
                 done += 1
-        except (OSError, WireError) as e:  # socket.timeout is an OSError
+        except (OSError, WireError) as e:  # socket.timeout is an OSError (and a TimeoutError)
             sock.close()
             return done, e
         with self._lock:

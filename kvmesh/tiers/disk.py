@@ -84,6 +84,10 @@ class DiskTier(SlotPool):
     def _offset(self, slot: int) -> int:
         return slot * (HEADER + self.stride)
 
+    def data_offset(self, slot: int) -> int:
+        """Where a slot's chunk bytes start in the file (after its header)."""
+        return self._offset(slot) + HEADER
+
     # -- SlotPool memory hooks ----------------------------------------------------------------------------------
     def buffer(self, slot: int):  # pragma: no cover - the disk tier is written with write_chunk, not by buffer
         raise TypeError("the disk tier has no memory buffer; use write_chunk/read_chunk")

@@ -131,10 +131,10 @@ def plain_node(private_redis, tmp_path):
     import redis
 
     from kvmesh.config import KVMeshConfig
-    from kvmesh.node import KVNode
+    from tests.integration.nodes import WireNode
 
     redis.Redis.from_url(private_redis.url).flushall()
-    n = KVNode(KVMeshConfig(redis_url=private_redis.url, key_prefix="fz", cpu_bytes=16 * 4096, slot_bytes=4096,
+    n = WireNode(KVMeshConfig(redis_url=private_redis.url, key_prefix="fz", cpu_bytes=16 * 4096, slot_bytes=4096,
                             lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path)), "node-f" * 4, "kvnode-f")
     yield n
     n.shutdown()

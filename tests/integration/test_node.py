@@ -8,7 +8,7 @@ import redis
 
 from kvmesh.config import KVMeshConfig
 from kvmesh.directory import Directory
-from kvmesh.node import KVNode
+from tests.integration.nodes import WireNode
 from kvmesh.tiers import TIER_CPU, checksum
 from kvmesh.wire import StoreItem, WireError, pack_keys, pack_store, unpack_chunk_header, unpack_pin_reply
 from tests.conftest import wait_until
@@ -26,7 +26,7 @@ def node(private_redis, tmp_path):
     redis.Redis.from_url(private_redis.url).flushall()
     cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="tn", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
                        lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path))
-    n = KVNode(cfg, "node-a" * 4, "kvnode-a")
+    n = WireNode(cfg, "node-a" * 4, "kvnode-a")
     yield n
     n.shutdown()
 
@@ -37,7 +37,7 @@ def chunks(*ids: int, size: int = SLOT) -> tuple[bytes, np.ndarray]:
     return pack_store(items), np.concatenate(datas)
 
 
-def lookup(node: KVNode, ids) -> list:
+def lookup(node, ids) -> list:
     d = node.directory
     return d.longest_prefix(d.lookup_raw(G, [k(i) for i in ids]), d.node_table())
 
@@ -129,17 +129,18 @@ def test_redis_restart_empty_triggers_resync_under_a_new_incarnation(node, priva
     old = node.lease.incarnation
     private_redis.restart()
     d = Directory(private_redis.url, "tn")
-    assert d.longest_prefix(d.lookup_raw(G, [k(1)]), d.node_table()) == []  # nothing stale in the gap
+    rows = d.longest_prefix(d.lookup_raw(G, [k(1)]), d.node_table())  # nothing stale in the gap: empty, or
+    assert all(h.incarnation != old for r in rows for h in r)  # registered anew under a new incarnation
     wait_until(lambda: node.lease.incarnation != old and len(lookup(node, [1, 2])) == 2, 5)
     assert lookup(node, [1])[0][0].incarnation == node.lease.incarnation
     assert node.stats()["resyncs"] == 1
     d.close()
 
 
-def aof_node(server, tmp_path, name: str) -> KVNode:
+def aof_node(server, tmp_path, name: str):
     cfg = KVMeshConfig(redis_url=server.url, key_prefix="tn", cpu_bytes=8 * SLOT, slot_bytes=SLOT, lease_s=5.0,
                        heartbeat_s=0.2, shm_dir=str(tmp_path))
-    return KVNode(cfg, name * 4, "kvnode-" + name)
+    return WireNode(cfg, name * 4, "kvnode-" + name)
 
 
 def test_changes_made_while_redis_hangs_reach_it_when_it_answers_again(tmp_path):
@@ -161,7 +162,7 @@ def test_changes_made_while_redis_hangs_reach_it_when_it_answers_again(tmp_path)
                 assert node.stats()["directory_errors"] >= 1
             finally:
                 os.kill(server.proc.pid, signal.SIGCONT)  # 1..8 are all still listed
-            wait_until(lambda: not node._dirty and len(lookup(node, range(1, 9))) == 4, 10)
+            wait_until(lambda: not node.registrar.pending and len(lookup(node, range(1, 9))) == 4, 10)
             assert node.lease.incarnation == inc and node.stats().get("resyncs", 0) == 0
             node.check_integrity(directory=True)  # exactly what it holds is listed: no phantom entries
         finally:
@@ -183,7 +184,7 @@ def test_a_redis_that_restarts_with_its_data_makes_nodes_re_register(tmp_path):
             server.start()  # with its data: 1..8 are still listed, under the current incarnation
             wait_until(lambda: node.lease.incarnation != inc, 10)
             assert node.stats()["directory_server_changed"] == 1 and node.stats()["resyncs"] == 1
-            wait_until(lambda: not node._unregistered and not node._to_purge, 10)
+            wait_until(lambda: not node.registrar.pending and not node.janitor._to_purge, 10)
             assert len(lookup(node, range(1, 9))) == 4 and len(lookup(node, range(11, 15))) == 4
             node.check_integrity(directory=True)
             d = Directory(server.url, "tn")
@@ -196,16 +197,18 @@ def test_a_redis_that_restarts_with_its_data_makes_nodes_re_register(tmp_path):
 def test_entries_the_old_incarnation_wrote_into_an_emptied_redis_are_purged(node, private_redis):
     node.store(*chunks(1))
     old = node.lease.incarnation
+    node.registrar._next_heartbeat = float("inf")  # no heartbeat until the test asks for one
     private_redis.restart()
     # before the heartbeat notices, a store registers under the old incarnation in the new Redis
-    node._stop.set()  # hold the maintenance thread back
+    node._stop.set()  # hold the maintenance thread (the janitor) back
     node._thread.join(timeout=5)
     node.store(*chunks(2))
     d = Directory(private_redis.url, "tn")
     holders = lambda: [inc for inc, _ in d.decode_holders(d.lookup_raw(G, [k(2)])[0] or b"")]  # noqa: E731
     assert holders() == [old]
-    node._resync()
-    node._janitor()
+    node.registrar.heartbeat_now()  # the registrar's thread re-joins and re-registers
+    wait_until(lambda: node.lease.incarnation != old and not node.registrar.pending, 5)
+    node.janitor.round()
     assert node.lease.incarnation != old and holders() == [node.lease.incarnation]  # the old entry is gone
     node.check_integrity(directory=True)
     d.close()
@@ -221,7 +224,7 @@ def gpu_node(private_redis, tmp_path):
     cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="tn", cpu_bytes=4 * SLOT, slot_bytes=SLOT,
                        gpu_bytes=2 * SLOT, gpu_device="cuda" if torch.cuda.is_available() else "cpu",
                        lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path))
-    n = KVNode(cfg, "node-g" * 4, "kvnode-g")
+    n = WireNode(cfg, "node-g" * 4, "kvnode-g")
     yield n
     n.shutdown()
 
@@ -233,7 +236,7 @@ def test_a_node_without_a_gpu_ignores_the_gpu_tier_it_was_given(private_redis, t
         pytest.skip("this machine has a GPU")
     cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="tn", cpu_bytes=4 * SLOT, slot_bytes=SLOT,
                        gpu_bytes=2 * SLOT, gpu_device="cuda", lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path))
-    n = KVNode(cfg, "node-c" * 4, "kvnode-c")  # one cluster-wide config, a node with no GPU: it still starts
+    n = WireNode(cfg, "node-c" * 4, "kvnode-c")  # one cluster-wide config, a node with no GPU: it still starts
     try:
         assert n.cascade.gpu is None and "gpu_chunks" not in n.stats()
         assert n.store(*chunks(1, 2)) == 2 and tiers(n, [1, 2]) == [TIER_CPU, TIER_CPU]
@@ -271,7 +274,7 @@ def disk_node(private_redis, tmp_path, name="node-d" * 4, **kw):
                        slot_bytes=SLOT,
                        disk_dir=str(tmp_path / "disk"), disk_bytes=kw.pop("disk_slots", 6) * SLOT,
                        lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path), **kw)
-    return KVNode(cfg, name, "kvnode-d")
+    return WireNode(cfg, name, "kvnode-d")
 
 
 def settled(node) -> bool:
@@ -314,10 +317,7 @@ def test_a_restarted_node_recovers_its_disk_and_drops_what_is_corrupt(private_re
     old_inc = node.lease.incarnation
     disk_file = node.cascade.disk.path
     slot2 = node.cascade.disk.slot_of(k(2))
-    # the process dies without a word: no shutdown, no unregistering (its lease will lapse); its files close
-    node._stop.set()
-    node.directory.close()
-    node.cascade.disk.close()
+    node.die()  # the process dies without a word: no shutdown, no unregistering (its lease will lapse)
     # a bit flip on disk while it was down
     from kvmesh.tiers.disk import HEADER
 
@@ -380,7 +380,7 @@ def test_the_janitor_purges_a_lapsed_incarnation_and_a_restart_purges_its_predec
     # a node that restarts purges what its previous incarnation registered
     node.store(*chunks(1, 2))
     wait_until(lambda: len(lookup(node, [1, 2])) == 2, 5)
-    again = KVNode(node.config, node.node_id, "kvnode-a2")
+    again = WireNode(node.config, node.node_id, "kvnode-a2")
     try:
         assert again.lease.previous == node.lease.incarnation
         wait_until(lambda: r.hget(d.group_key(G), k(1)[:6]) is None, 5)
@@ -397,7 +397,7 @@ def test_concurrent_pull_throughs_of_the_same_chunks_make_one_transfer(node, tmp
     from kvmesh.wire import PullThrough, pack_pull_through
 
     (tmp_path / "b").mkdir()
-    b = KVNode(node.config.replace(shm_dir=str(tmp_path / "b")), "node-b" * 4, "kvnode-b")
+    b = WireNode(node.config.replace(shm_dir=str(tmp_path / "b")), "node-b" * 4, "kvnode-b")
     try:
         node.store(*chunks(1, 2, 3))
         serve = node.data_server._pin
@@ -443,7 +443,7 @@ def test_a_pull_through_that_fails_midway_is_shorter_and_frees_its_slots(node, t
     from kvmesh.wire import PullThrough, pack_pull_through
 
     (tmp_path / "b").mkdir()
-    b = KVNode(node.config.replace(shm_dir=str(tmp_path / "b")), "node-b" * 4, "kvnode-b")
+    b = WireNode(node.config.replace(shm_dir=str(tmp_path / "b")), "node-b" * 4, "kvnode-b")
     try:
         node.store(*chunks(1, 2, 3))
         node.tier.buffer(node.tier.slot_of(k(2)))[5] ^= 0x10  # A's copy of 2 rots: the transfer stops there

@@ -1,0 +1,54 @@
+"""`plan_runs`: the chunks of a match as runs of consecutive chunks from one holder. Pure.
+
+A chunk comes from this node when it holds it (and the caller can read this node's slab), else from the holder of
+the previous chunk when that one has it too (fewer, longer runs), else from its first-listed holder (the lookup
+sorts holders by tier). Runs from another node are split into batches of at most `per_batch` chunks: batches are
+separate requests that proceed in parallel and pipeline. Runs cover chunks 0..n-1 in order, with no gaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh.directory import Holder
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    holder: str  # node id the run is read from
+    start: int  # index of its first chunk in the match
+    keys: tuple[bytes, ...]
+    tiers: tuple[int, ...]  # the holder's tier for each chunk (for the cost model and the metrics)
+    local: bool  # the holder is the caller's own node
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.keys)
+
+
+def plan_runs(chunks: Sequence, here: str | None, local_reads: bool, per_batch: int) -> list[Run]:
+    """`chunks`: items with `.hash` and `.holders` (a `Match`'s chunks). `here`: the caller's node id;
+    `local_reads`: whether chunks held here can be read here (a worker with this node's slab mapped)."""
+    if per_batch < 1:
+        raise ValueError(f"per_batch must be at least 1, got {per_batch}")
+    runs: list[list] = []  # [holder, start, keys, tiers]
+    prev = None
+    for i, ch in enumerate(chunks):
+        holders: tuple[Holder, ...] = ch.holders
+        assert holders, "a matched chunk has a holder"
+        by_node = {h.node_id: h for h in holders}
+        if local_reads and here in by_node:
+            pick = here
+        elif prev in by_node:
+            pick = prev
+        else:
+            pick = holders[0].node_id
+        last = runs[-1] if runs else None
+        if last is not None and last[0] == pick and (pick == here and local_reads or len(last[2]) < per_batch):
+            last[2].append(ch.hash)
+            last[3].append(by_node[pick].tier)
+        else:
+            runs.append([pick, i, [ch.hash], [by_node[pick].tier]])
+        prev = pick
+    return [Run(h, s, tuple(k), tuple(t), local_reads and h == here) for h, s, k, t in runs]

@@ -1,0 +1,146 @@
+"""Sinks: where the chunks of one fetch land. A sink owns its staging memory: nothing in it is shared with another
+fetch, so no run can overwrite what an earlier run delivered.
+
+Every sink has, for chunk index i of the fetch (0-based within the match):
+
+    prepare(staged)         the chunk indices that will arrive through `segments`/`put` (peer runs), before any
+                            source begins: a sink that needs staging for them allocates it here, once
+    segments(i) -> [array]  writable host memory chunk i's bytes land in, in chunk byte order (a receiver writes
+                            the socket's bytes straight into it). Distinct chunks never share memory
+    put(i, src)             copy chunk i's bytes (chunk layout, host memory) into the sink
+    adopt(i, src, checksum, on_bad) -> bool
+                            take page-locked `src` (a pinned slab slot) by reference instead of copying; the sink
+                            verifies it against `checksum` itself, calls `on_bad()` if it fails, and keeps `src`
+                            until it is released. False: this sink copies instead
+    commit(i, checksum)     chunk i landed and was verified
+    on_release(fn)          fn() runs once the sink reads no adopted memory any more (a source's unpin)
+    finish(n) -> result     the fetch delivered chunks [0, n) intact; what the caller gets
+
+Sinks here: `HostSink` (a new CPU tensor, or a caller's `out=`) and `DeviceSink` (a device, with completion per
+layer). A KVNode's pull-through lands in its own slots through `kvmesh.pullthrough.SlotSink`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+
+import numpy as np
+import torch
+
+from kvmesh.spec import KVSpec
+from kvmesh.tiers import checksum
+
+
+class HostSink:
+    """Into a `[num_layers, 2, >= n * chunk_tokens, heads, head_dim]` contiguous CPU tensor: chunk i fills tokens
+    [i * chunk_tokens, (i + 1) * chunk_tokens) of every layer's K and V."""
+
+    def __init__(self, spec: KVSpec, out: torch.Tensor) -> None:
+        self.spec, self.out = spec, out
+        s = spec
+        self._u8 = out.view(torch.uint8).view(s.num_layers, 2, out.shape[2], s.num_kv_heads * s.head_dim *
+                                              s.element_size)
+
+    def _dst(self, i: int) -> torch.Tensor:
+        c = self.spec.chunk_tokens
+        return self._u8[:, :, i * c:(i + 1) * c]
+
+    def prepare(self, staged: Sequence[int]) -> None:
+        pass
+
+    def segments(self, i: int) -> list[np.ndarray]:
+        dst = self._dst(i)
+        return [dst[layer, kv].numpy() for layer in range(self.spec.num_layers) for kv in (0, 1)]
+
+    def put(self, i: int, src) -> None:
+        s = self.spec
+        self._dst(i).copy_(torch.frombuffer(src, dtype=torch.uint8).view(s.num_layers, 2, s.chunk_tokens, -1))
+
+    def adopt(self, i: int, src, chunk_checksum: int, on_bad: Callable[[], None]) -> bool:
+        return False
+
+    def commit(self, i: int, chunk_checksum: int) -> None:
+        pass
+
+    def on_release(self, fn: Callable[[], None]) -> None:
+        fn()  # nothing adopted: sources release at once
+
+    def finish(self, n: int) -> torch.Tensor:
+        return self.out[:, :, : n * self.spec.chunk_tokens]
+
+
+class DeviceSink:
+    """Onto a device (`movers.to_device`: layer group by layer group, completion per layer). Same-node chunks are
+    adopted: DMA'd straight from the page-locked slab, verified by CPU threads while the copies run
+    (`load.verified()`), unpinned on `load.release()`. Peer chunks land in page-locked staging that belongs to this
+    fetch alone, one row per chunk. `finish(n)` returns (LayerwiseLoad or None, n)."""
+
+    def __init__(self, spec: KVSpec, device: torch.device, verify: Executor, min_copy_bytes: int = 8 << 20) -> None:
+        self.spec, self.device, self.min_copy_bytes = spec, device, min_copy_bytes
+        self._verify = verify
+        self._srcs: dict[int, object] = {}  # chunk index -> host memory the device copy reads
+        self._rows: dict[int, int] = {}  # chunk index -> its staging row
+        self._staging: torch.Tensor | None = None
+        self._checks: list = []  # futures of the adopted chunks' verifications
+        self._checked: list[int] = []  # the chunk index each verifies
+        self._releases: list[Callable[[], None]] = []
+
+    def prepare(self, staged: Sequence[int]) -> None:
+        if not staged:
+            return
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self._staging = torch.empty((len(staged), self.spec.chunk_bytes), dtype=torch.uint8, pin_memory=pin)
+        self._rows = {i: r for r, i in enumerate(staged)}
+
+    def _row(self, i: int) -> torch.Tensor:
+        assert self._staging is not None and i in self._rows, f"chunk {i} was not announced to prepare()"
+        row = self._staging[self._rows[i]]
+        self._srcs[i] = row
+        return row
+
+    def segments(self, i: int) -> list[np.ndarray]:
+        return [self._row(i).numpy()]
+
+    def put(self, i: int, src) -> None:
+        self._row(i).copy_(torch.frombuffer(src, dtype=torch.uint8))
+
+    def adopt(self, i: int, src, chunk_checksum: int, on_bad: Callable[[], None]) -> bool:
+        self._srcs[i] = src
+
+        def check() -> bool:
+            ok = checksum(src) == chunk_checksum
+            if not ok:
+                on_bad()
+            return ok
+
+        self._checks.append(self._verify.submit(check))
+        self._checked.append(i)
+        return True
+
+    def commit(self, i: int, chunk_checksum: int) -> None:
+        pass
+
+    def on_release(self, fn: Callable[[], None]) -> None:
+        self._releases.append(fn)
+
+    def _release(self) -> None:
+        for f in self._checks:  # the verifying threads read adopted memory too: done before it is unpinned
+            f.result()
+        fns, self._releases = self._releases, []
+        for fn in fns:
+            fn()
+
+    def finish(self, n: int):
+        from kvmesh.movers import to_device
+
+        if n == 0:
+            self._release()
+            return None, 0
+        load = to_device([self._srcs[i] for i in range(n)], self.spec, self.device,
+                         min_copy_bytes=self.min_copy_bytes)
+        load.checks, load.checked = self._checks, self._checked
+        load.on_release = [self._release]
+        if self._staging is not None:
+            load._keep.append(self._staging)
+        return load, n

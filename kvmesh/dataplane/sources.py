@@ -1,0 +1,244 @@
+"""Sources: how one run of chunks (`planner.Run`) reaches a sink. Each is two-phase:
+
+    begin(run, sink, deadline) -> Transfer      phase 1: the request goes out now (a pin, a pull); returns at once
+    Transfer.complete(deadline) -> Landed       phase 2: land the run's chunks in the sink and verify each; stops
+                                                at the first chunk that is missing, late or corrupt
+    Transfer.release()                          always, whatever happened (idempotent): unpins, or stops a
+                                                transfer still running and waits until it no longer writes
+                                                into the sink
+
+Sources, by `kind`:
+    slab    this node's shared-memory slab: the local KVNode pins the chunks (disk- or GPU-only chunks are first
+            brought into the slab by the node), the bytes are read here at memory bandwidth
+    via     through this node: the local KVNode pulls what it lacks from the holder (one transfer per chunk for
+            all its readers, kept there), then as `slab`
+    tcp     another node's DataServer: the bytes are received straight into the sink, checked as they arrive
+    ray     another node's actor, through Ray's object store (the fallback transport)
+
+A chunk that fails its checksum is reported to the node that holds the bad copy (which re-verifies and drops it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+
+from kvmesh.dataplane.planner import Run
+from kvmesh.handle import NodeCallError, Pending, Pinned
+from kvmesh.nodeview import NodeView
+from kvmesh.tiers import checksum
+from kvmesh.transport import ChecksumError, DataClient
+from kvmesh.wire import MAX_DEADLINE_MS, PullThrough, WireError
+
+WAIT_SLACK_S = 1.0  # past the deadline: how long a release waits for a receiving thread to let go of the sink
+
+
+@dataclass(frozen=True, slots=True)
+class Landed:
+    delivered: int  # leading chunks of the run that are in the sink, verified
+    error: str = ""  # why it stopped short: "not_held", "checksum", "deadline", "peer_error", "holder_unknown",
+    # "stale_slab"; "" when it did not
+    corrupt: bool = False  # it stopped at a chunk that failed its checksum
+
+
+@dataclass
+class Env:
+    """What sources need, owned by the `Fetcher`."""
+
+    here: str  # the caller's node id ("" outside a node)
+    local: object | None  # a handle (handle.NodeHandle / LocalHandle) of this node's KVNode
+    slab: object | None  # this node's slab, mapped here (tiers.cpu.SlabReader)
+    slot_bytes: int
+    peers: Callable[[str], object | None]  # node id -> handle of its KVNode, or None
+    view: NodeView
+    data: DataClient
+    pool: Executor  # threads for the blocking receives of `tcp` runs
+    on_stale_slab: Callable[[], None] = lambda: None  # the local node's slab moved (it restarted)
+
+
+def _error_of(e: BaseException) -> str:
+    return "deadline" if isinstance(e, TimeoutError) else "peer_error"
+
+
+class Transfer:
+    kind = ""
+
+    def __init__(self, run: Run, sink) -> None:
+        self.run, self.sink = run, sink
+
+    def complete(self, deadline: float) -> Landed:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        pass
+
+
+class Failed(Transfer):
+    """A run whose request could not even go out (no such holder, no address)."""
+
+    def __init__(self, run: Run, sink, kind: str, error: str) -> None:
+        super().__init__(run, sink)
+        self.kind, self._error = kind, error
+
+    def complete(self, deadline: float) -> Landed:
+        return Landed(0, self._error)
+
+
+class PinnedTransfer(Transfer):
+    """`slab` and `via`: the local KVNode answers with pinned slab slots; the chunks are read from the slab here."""
+
+    def __init__(self, env: Env, run: Run, sink, chunk_bytes: int, kind: str, pending: Pending[Pinned]) -> None:
+        super().__init__(run, sink)
+        self.env, self.kind, self._pending, self._cb = env, kind, pending, chunk_bytes
+        self._pinned: Pinned | None = None
+        self._waited = False
+        self._adopted = False
+        self._released = False
+
+    def complete(self, deadline: float) -> Landed:
+        env, run, sink = self.env, self.run, self.sink
+        self._waited = True
+        try:
+            self._pinned = p = self._pending.result(deadline - time.monotonic())
+        except (NodeCallError, TimeoutError, WireError) as e:
+            self._waited = False  # the reply may still come: its pin is released when it does
+            return Landed(0, _error_of(e))
+        if env.slab is None or p.slab_path != env.slab.path:
+            env.on_stale_slab()
+            return Landed(0, "stale_slab")
+        cb = self._cb
+        for j, row in enumerate(p.chunks):
+            if row.nbytes != cb:
+                return Landed(j, "not_held")
+            i = run.start + j
+            view = env.slab.view(row.slot * env.slot_bytes, cb)
+            key = run.keys[j]
+            if sink.adopt(i, view, row.checksum, lambda k=key: env.local.report_corrupt([k])):
+                self._adopted = True
+                continue
+            sink.put(i, view)
+            if checksum(view) != row.checksum:  # after the copy: catches a slot overwritten under us, too
+                env.local.report_corrupt([key])
+                return Landed(j, "checksum", corrupt=True)
+            sink.commit(i, row.checksum)
+        n = len(p.chunks)
+        return Landed(n, "" if n == len(run.keys) else "not_held")
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        local = self.env.local
+
+        def unpin(p: Pinned) -> None:
+            if p.chunks:
+                local.unpin(p.pin_id)
+
+        if not self._waited:  # never waited for (a run after the fetch was cut short), or it timed out
+            if self._pending.done():
+                try:
+                    unpin(self._pending.result(0))
+                except (NodeCallError, TimeoutError, WireError):
+                    pass
+            else:  # unpin whenever the reply arrives
+                self._pending.abandon(unpin)
+        elif self._pinned is not None and self._pinned.chunks:
+            if self._adopted:  # the sink still reads the slots: unpin when it lets go
+                self.sink.on_release(lambda p=self._pinned: unpin(p))
+            else:
+                unpin(self._pinned)
+
+
+class TcpTransfer(Transfer):
+    """`tcp`: received on a pool thread straight into the sink's segments, each chunk checked as it arrives."""
+
+    kind = "tcp"
+
+    def __init__(self, env: Env, run: Run, sink, chunk_bytes: int, address: str, deadline: float) -> None:
+        super().__init__(run, sink)
+        self.env = env
+        self._cancel = threading.Event()
+        self._sums: list[int] = []
+        self._future: Future = env.pool.submit(
+            env.data.pull, address, list(run.keys), chunk_bytes, lambda j: sink.segments(run.start + j),
+            deadline, env.here, self._sums, self._cancel)
+
+    def complete(self, deadline: float) -> Landed:
+        run = self.run
+        try:
+            k, err = self._future.result(timeout=max(0.0, deadline - time.monotonic()) + WAIT_SLACK_S)
+        except TimeoutError:
+            self._cancel.set()
+            return Landed(0, "deadline")
+        for j in range(k):
+            self.sink.commit(run.start + j, self._sums[j])
+        if err is None:
+            return Landed(k, "" if k == len(run.keys) else "not_held")
+        if isinstance(err, ChecksumError):
+            holder = self.env.peers(run.holder)
+            if holder is not None:
+                holder.report_corrupt([run.keys[k]])
+            return Landed(k, "checksum", corrupt=True)
+        return Landed(k, _error_of(err))
+
+    def release(self) -> None:
+        self._cancel.set()
+        try:  # it writes into the sink's memory until it returns: never leave it running behind the caller
+            self._future.result(timeout=WAIT_SLACK_S + 5.0)
+        except Exception:
+            pass
+
+
+class RayTransfer(Transfer):
+    """`ray`: the holder's actor sends the run through Ray's object store; each chunk is checked, then copied."""
+
+    kind = "ray"
+
+    def __init__(self, env: Env, run: Run, sink, chunk_bytes: int, holder) -> None:
+        super().__init__(run, sink)
+        self.env, self._holder, self._cb = env, holder, chunk_bytes
+        self._pending = holder.pull(list(run.keys))
+
+    def complete(self, deadline: float) -> Landed:
+        run, cb = self.run, self._cb
+        try:
+            p = self._pending.result(deadline - time.monotonic())
+        except (NodeCallError, TimeoutError, WireError) as e:
+            return Landed(0, _error_of(e))
+        off = 0
+        for j, (nbytes, want) in enumerate(p.rows[:len(run.keys)]):
+            if nbytes != cb or off + nbytes > p.data.size:
+                return Landed(j, "peer_error")
+            piece = p.data[off:off + nbytes]
+            if checksum(piece) != want:  # damaged on the way (the holder checked before sending)
+                self._holder.report_corrupt([run.keys[j]])
+                return Landed(j, "checksum", corrupt=True)
+            self.sink.put(run.start + j, piece)
+            self.sink.commit(run.start + j, want)
+            off += nbytes
+        n = min(len(p.rows), len(run.keys))
+        return Landed(n, "" if n == len(run.keys) else "not_held")
+
+
+def begin(env: Env, run: Run, kind: str, sink, chunk_bytes: int, deadline: float, group: bytes = b"",
+          transport: str = "tcp") -> Transfer:
+    """Phase 1 of `run` through source `kind` ("slab", "via", "tcp", "ray"), for chunks of `chunk_bytes`."""
+    if kind == "slab":
+        return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pin(list(run.keys)))
+    if kind == "via":
+        ms = max(0, min(MAX_DEADLINE_MS, int((deadline - time.monotonic()) * 1000)))
+        req = PullThrough(list(run.keys), group, chunk_bytes, run.holder, transport, ms)
+        return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pull_through(req))
+    if kind == "tcp":
+        info = env.view.info(run.holder)
+        if info is None or not info.data_addr:
+            return Failed(run, sink, kind, "holder_unknown")
+        return TcpTransfer(env, run, sink, chunk_bytes, info.data_addr, deadline)
+    assert kind == "ray", kind
+    holder = env.peers(run.holder)
+    if holder is None:
+        return Failed(run, sink, kind, "holder_unknown")
+    return RayTransfer(env, run, sink, chunk_bytes, holder)

@@ -1,0 +1,92 @@
+"""Named results of the client's calls: what a lookup found (`Match`), what a fetch did (`FetchStats`) and what a store
+did (`StoreResult`). Integrations read these, not counter deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvmesh.cost import LoadPlan
+from kvmesh.directory import Holder
+from kvmesh.tiers import TIER_NAMES
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMatch:
+    hash: bytes
+    holders: tuple[Holder, ...]  # live holders, the preferred one (this node first, then by tier) first
+
+    @property
+    def node_id(self) -> str:
+        return self.holders[0].node_id
+
+    @property
+    def tier(self) -> str:
+        return TIER_NAMES[self.holders[0].tier]
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """The longest cached prefix of a prompt, in whole chunks: chunks [start, start + len(chunks)) of it."""
+
+    namespace: bytes  # spec namespace the lookup was made for
+    chunk_tokens: int
+    chunks: tuple[ChunkMatch, ...]
+    plan: LoadPlan | None = None  # the cost model's advice for this prompt, with its reason
+    start: int = 0  # index of the first chunk (non-zero only for a part selected with `select`)
+    why: str = ""  # why the match ends where it does: "" (the whole prompt's full chunks), "not_cached",
+    # "holder_dead", "spec_mismatch" (another spec of this model has the prefix), "directory_error"
+    group: bytes = b""  # the directory group of the prompt (its first chunk's hash): where pulled chunks register
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.chunks) * self.chunk_tokens
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    def truncate(self, num_chunks: int) -> "Match":
+        return replace(self, chunks=self.chunks[:max(0, num_chunks)], plan=None)
+
+    def select(self, first: int, end: int) -> "Match":
+        """Chunks [first, end) of this match (e.g. the part a split plan loads)."""
+        return replace(self, chunks=self.chunks[first:end], start=self.start + first, plan=None)
+
+
+@dataclass(frozen=True, slots=True)
+class RunStats:
+    """One run of a fetch: chunks asked of one holder through one source."""
+
+    source: str  # "slab" (this node's shared memory), "via" (pulled through this node), "tcp", "ray"
+    link: str  # the cost model's link: "local", "peer", "local-disk", "peer-disk"
+    asked: int
+    delivered: int
+    seconds: float  # from the start of the fetch to this run's end (runs overlap)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchStats:
+    """What one fetch did."""
+
+    local_chunks: int  # delivered from this node's tiers
+    peer_chunks: int  # delivered from other nodes (directly or pulled through this node)
+    seconds: float
+    error: str = ""  # why it stopped short ("checksum", "deadline", "peer_error", "holder_unknown"), "" if not
+    asked: int = 0  # chunks in the match
+    corrupt: int = 0  # chunks that failed their checksum (reported to their holder)
+    runs: tuple[RunStats, ...] = ()
+
+    @property
+    def chunks(self) -> int:
+        return self.local_chunks + self.peer_chunks
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """What one store did: of the full chunks given, how many were handed to the node, how many were already
+    cached, and how many were dropped (too many stores in flight, or no node on this Ray node)."""
+
+    handed: int
+    cached: int = 0
+    dropped: int = 0
+    reason: str = ""  # why chunks were dropped: "busy", "no_local_node"

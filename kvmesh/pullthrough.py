@@ -1,0 +1,159 @@
+"""Pull-through: a KVNode brings chunks from a peer for its own readers, through the data plane's `Fetcher`, into
+sinks of its own tiers. Concurrent readers of a chunk share its one transfer (`inflight.InflightPulls`), and the
+chunks pulled stay on this node, registered, for the readers that come later.
+
+    SlotSink     into reserved CPU-slab slots: the socket writes the shared memory, each chunk becomes readable
+                 (and is registered) once it arrived verified; slots of chunks that did not arrive are freed
+    BufferSink   into a buffer, then the node's store path (when a GPU tier sits above the slab)
+    PullThrough  the node's part: claim, pull (one `Fetcher.fetch` from the holder), release, then pin for the reader
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvmesh.dataplane.fetcher import Fetcher, FetchOptions
+from kvmesh.directory import Holder
+from kvmesh.inflight import InflightPulls
+from kvmesh.match import ChunkMatch
+from kvmesh.tiers import TIER_CPU
+from kvmesh.wire import PullThrough as PullRequest
+from kvmesh.wire import StoreItem
+
+
+class SlotSink:
+    """Chunk i lands in `tickets[i]`'s slab slot."""
+
+    def __init__(self, node, tickets: list, nbytes: int) -> None:
+        self.node, self.tickets, self.nbytes = node, tickets, nbytes
+        self._sums: dict[int, int] = {}
+
+    def _buf(self, i: int) -> np.ndarray:
+        return np.frombuffer(self.node.tier.buffer(self.tickets[i].slot), dtype=np.uint8)[: self.nbytes]
+
+    def prepare(self, staged: Sequence[int]) -> None:
+        pass
+
+    def segments(self, i: int) -> list[np.ndarray]:
+        return [self._buf(i)]
+
+    def put(self, i: int, src) -> None:
+        np.copyto(self._buf(i), np.frombuffer(src, dtype=np.uint8))
+
+    def adopt(self, i: int, src, chunk_checksum: int, on_bad) -> bool:
+        return False
+
+    def commit(self, i: int, chunk_checksum: int) -> None:
+        self._sums[i] = chunk_checksum
+
+    def on_release(self, fn) -> None:
+        fn()
+
+    def finish(self, n: int) -> int:
+        node = self.node
+        with node.lock:
+            for j, t in enumerate(self.tickets):
+                if j < n:
+                    node.cascade.complete(t, self._sums[j])
+                else:
+                    node.cascade.abort(t)
+            node.stats_counts["stored_chunks"] += n
+        node.post_changes()
+        return n
+
+
+class BufferSink:
+    """Chunks land back to back in one buffer, then go through the node's store path (checked again there)."""
+
+    def __init__(self, node, keys: list[bytes], group: bytes, nbytes: int) -> None:
+        self.node, self.keys, self.group, self.nbytes = node, keys, group, nbytes
+        self.buf = np.empty(len(keys) * nbytes, dtype=np.uint8)
+        self._sums: dict[int, int] = {}
+
+    def prepare(self, staged: Sequence[int]) -> None:
+        pass
+
+    def segments(self, i: int) -> list[np.ndarray]:
+        return [self.buf[i * self.nbytes:(i + 1) * self.nbytes]]
+
+    def put(self, i: int, src) -> None:
+        np.copyto(self.segments(i)[0], np.frombuffer(src, dtype=np.uint8))
+
+    def adopt(self, i: int, src, chunk_checksum: int, on_bad) -> bool:
+        return False
+
+    def commit(self, i: int, chunk_checksum: int) -> None:
+        self._sums[i] = chunk_checksum
+
+    def on_release(self, fn) -> None:
+        fn()
+
+    def finish(self, n: int) -> int:
+        if not n:
+            return 0
+        items = [StoreItem(self.group, k, self.nbytes, self._sums[j]) for j, k in enumerate(self.keys[:n])]
+        return self.node.store(items, self.buf[: n * self.nbytes])
+
+
+class PullThrough:
+    """A node's pull-throughs. `run(request)` brings what it can of the request's chunks by its deadline (or waits
+    for the readers already bringing them); the caller then pins what is here."""
+
+    def __init__(self, node, fetcher: Fetcher, count: Callable[..., None]) -> None:
+        self.node, self.fetcher, self._count = node, fetcher, count
+        self._inflight = InflightPulls()  # chunks being pulled for this node's readers (under the node's lock)
+        self._lock = node.lock
+
+    def run(self, req: PullRequest) -> None:
+        node = self.node
+        deadline = time.monotonic() + req.deadline_ms / 1000
+        with self._lock:
+            mine, theirs = self._inflight.claim(req.keys, node.cascade.holds)
+        pulled = 0
+        try:
+            if mine:
+                pulled = self._pull(req, mine, deadline)
+        finally:
+            with self._lock:
+                events = self._inflight.release(mine)
+                node.stats_counts["pull_through_calls"] += 1
+                node.stats_counts["pull_through_pulled_chunks"] += pulled
+                node.stats_counts["pull_through_waited_chunks"] += len(theirs)
+            for ev in events:
+                ev.set()
+        for ev in theirs.values():  # another reader's transfer of these chunks; the tier says how it went
+            if not ev.wait(max(0.0, deadline - time.monotonic())):
+                break
+
+    def _pull(self, req: PullRequest, keys: list[bytes], deadline: float) -> int:
+        """Bring the leading run of `keys` from the holder into this node's tiers and register it; returns how
+        many chunks landed. Failures end the run early and are counted, never raised."""
+        node = self.node
+        if req.holder == node.node_id or node.view.info(req.holder) is None:
+            self._count("pull_through_holder_unknown")
+            return 0
+        with self._lock:
+            direct = node.cascade.top is node.tier and req.nbytes <= node.tier.slot_bytes
+            if direct:
+                tickets = []
+                protect = frozenset(req.keys)
+                for key in keys:
+                    t = node.cascade.prepare(key, req.group, req.nbytes, protect)
+                    if t is None:  # no unpinned slot to evict, or a store of it just began
+                        break
+                    tickets.append(t)
+                keys = keys[:len(tickets)]
+        if not keys:
+            return 0
+        sink = SlotSink(node, tickets, req.nbytes) if direct else BufferSink(node, keys, req.group, req.nbytes)
+        holder = (Holder(req.holder, 0, TIER_CPU),)
+        opts = FetchOptions(req.nbytes, deadline, req.transport, False, req.group,
+                            max(1, node.config.pull_batch_bytes // req.nbytes))
+        n, stats = self.fetcher.fetch([ChunkMatch(k, holder) for k in keys], sink, opts)
+        if stats.error:
+            self._count(f"pull_through_error_{stats.error}")
+        return n
+

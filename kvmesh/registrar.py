@@ -1,0 +1,253 @@
+"""`Registrar`: the single writer of one KVNode's directory state, its lease and its chunk entries.
+
+    post(changes) -> seq       mutates (no I/O): queue the cascade's changes, {(group, key): best tier or None};
+                               call it under the node's lock, so changes are queued in the order they were made.
+                               Newer changes to a chunk replace older ones still queued
+    wait(seq, timeout) -> bool reads: until every change posted up to `seq` was sent (False: not yet, e.g. Redis
+                               is away; they stay queued and are sent when it answers)
+    flush(timeout) -> bool     reads: until nothing is queued or being sent
+    lease, fenced              reads: the incarnation this node registers under; whether a newer one exists
+    shutdown(held)             mutates: unregisters `held`, leaves the directory, stops the thread
+
+One thread, `kvmesh-node-registrar`, does every directory write of this node: entries, heartbeats, re-joins and
+re-registrations. So a `register` that was posted before an `unregister` of the same chunk reaches Redis before
+it, by construction; no entry is left behind by two threads racing to Redis (the phantom-entry race of writers
+that drained changes under a lock and sent them outside it).
+
+Each round: heartbeat when due ("resync" after an emptied, restarted or failed-over Redis: re-join under a new
+incarnation and register everything held; "fenced": a newer incarnation exists, stop); then send what is queued.
+A batch that fails is put back under anything newer and sent again next round.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import redis
+
+from kvmesh.directory import Directory, Lease
+from kvmesh.wire import NodeInfo
+
+log = logging.getLogger("kvmesh.node")
+RETRY_S = 0.2  # after a failed send, the next try comes this much later (or at the next heartbeat)
+
+
+class Registrar:
+    def __init__(self, directory: Directory, info: NodeInfo, lease_ms: int, heartbeat_s: float,
+                 node_lock: threading.Lock, held: Callable[[], list], holds_group: Callable[[bytes], bool],
+                 count: Callable[..., None], event: Callable[..., None], on_rejoin: Callable[[list[int]], None]) -> \
+            None:
+        """`held()` (called under `node_lock`): every chunk held, as (group, key, best tier); `holds_group(g)`
+        (under the lock): whether the node still holds a chunk of group g; `on_rejoin(incs)`: incarnations this
+        node had before a re-join, whose entries the janitor purges."""
+        self.directory = directory
+        self.info = info
+        self.lease_ms = lease_ms
+        self.heartbeat_s = heartbeat_s
+        self._node_lock = node_lock
+        self._held, self._holds_group = held, holds_group
+        self._count, self._event, self._on_rejoin = count, event, on_rejoin
+        self.lease: Lease = directory.join(info, lease_ms)
+        self._server = directory.server_identity()  # the Redis server(s) this incarnation registered with
+        self.fenced = False
+        self._cv = threading.Condition()
+        self._queued: dict = {}  # (group, key) -> tier | None, guarded by _cv
+        self._posted = 0  # sequence number of the last post
+        self._sent = 0  # every post up to this one has been sent
+        self._sending = False
+        self._reregister = False  # everything held must be registered afresh (after a re-join, or a failed one)
+        self._next_heartbeat = time.monotonic() + heartbeat_s
+        self._retry_at = 0.0
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="kvmesh-node-registrar", daemon=True)
+        self._thread.start()
+
+    # -- the writers' side ------------------------------------------------------------------------------------
+    def post(self, changes: dict) -> int:
+        with self._cv:
+            if changes and not self.fenced:  # a fenced node registers nothing any more
+                self._queued.update(changes)
+                self._posted += 1
+                self._cv.notify()
+            return self._posted
+
+    def wait(self, seq: int, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        with self._cv:
+            while self._sent < seq and not self._stop:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+            return self._sent >= seq
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        end = time.monotonic() + timeout
+        with self._cv:
+            while (self._queued or self._sending or self._reregister) and not self.fenced:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.notify()
+                self._cv.wait(min(left, 0.05))
+            return True
+
+    def heartbeat_now(self) -> None:
+        """Heartbeat on the next round instead of when due (e.g. to notice a lost directory at once)."""
+        with self._cv:
+            self._next_heartbeat = 0.0
+            self._cv.notify()
+
+    @property
+    def pending(self) -> bool:
+        with self._cv:
+            return bool(self._queued or self._sending or self._reregister)
+
+    # -- the thread ---------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._due():
+                    self._cv.wait(min(1.0, max(0.001, self._wake_at() - time.monotonic())))
+                if self._stop:
+                    return
+            try:
+                if time.monotonic() >= self._next_heartbeat:
+                    self._next_heartbeat = time.monotonic() + self.heartbeat_s
+                    self._heartbeat()
+                if self._reregister:
+                    self._register_all()
+                self._send()
+            except redis.RedisError as e:
+                self._count("directory_errors")
+                self._retry_at = time.monotonic() + RETRY_S
+                log.debug("KVNode %s: directory write failed (%s); will retry", self.info.node_id[:8], e)
+            except Exception as e:  # never let the writer die: a bug here would leave the directory stale forever
+                self._retry_at = time.monotonic() + RETRY_S
+                log.exception("KVNode %s: registrar round failed: %s", self.info.node_id[:8], e)
+
+    def _due(self) -> bool:
+        now = time.monotonic()
+        return now >= self._next_heartbeat or (
+            (self._queued or self._reregister) and now >= self._retry_at and not self.fenced)
+
+    def _wake_at(self) -> float:
+        return min(self._next_heartbeat, self._retry_at) if (self._queued or self._reregister) else \
+            self._next_heartbeat
+
+    def _heartbeat(self) -> None:
+        if self.fenced:
+            return
+        d = self.directory
+        state = d.heartbeat(self.lease, self.lease_ms)
+        if state == "ok" and d.server_identity() != self._server:
+            state = "resync"  # a restarted or failed-over Redis: it may lack or keep entries wrongly
+            self._count("directory_server_changed")
+        if state == "resync":
+            self._rejoin()
+        elif state == "fenced":
+            with self._cv:
+                self.fenced = True
+                self._queued.clear()
+                self._sent = self._posted
+                self._cv.notify_all()
+            log.warning("KVNode %s incarnation %d was superseded; no longer registering", self.info.node_id[:8],
+                        self.lease.incarnation)
+
+    def _rejoin(self) -> None:
+        """The directory lost this node (restarted empty, or failed over): re-join under a new incarnation so
+        nothing registered before can be mistaken for current, then register everything held."""
+        old = self.lease.incarnation
+        self._server = self.directory.server_identity()
+        self.lease = self.directory.join(self.info, self.lease_ms, old)
+        # What the old incarnation registered in this Redis before the heartbeat noticed (an emptied Redis does
+        # not know it as "previous") is dead now; give its memory back too.
+        self._on_rejoin([i for i in dict.fromkeys((self.lease.previous, old)) if i and i != self.lease.incarnation])
+        self._count("resyncs")
+        log.warning("KVNode %s re-joined the directory as incarnation %d", self.info.node_id[:8],
+                    self.lease.incarnation)
+        self._event("resync", "directory_lost", f"incarnation {self.lease.incarnation}")
+        self._reregister = True
+
+    def _register_all(self) -> None:
+        """Register everything held under the current incarnation. What is queued now is covered by the snapshot
+        (taken under the node's lock, where posts happen), so the queue is emptied with it."""
+        with self._node_lock:
+            chunks = self._held()
+            with self._cv:
+                self._queued.clear()
+                seq = self._posted
+        by_tier: dict[int, dict[bytes, list[bytes]]] = defaultdict(lambda: defaultdict(list))
+        for group, key, tier in chunks:
+            by_tier[tier][group].append(key)
+        for tier, groups in by_tier.items():  # a RedisError leaves _reregister set: the next round redoes it
+            self.directory.register_many(self.lease, tier, groups)
+        self._reregister = False
+        with self._cv:
+            self._sent = max(self._sent, seq)
+            self._cv.notify_all()
+
+    def _send(self) -> None:
+        with self._cv:
+            if not self._queued or self.fenced:
+                return
+            batch, self._queued = self._queued, {}
+            seq = self._posted
+            self._sending = True
+        try:
+            self._write(batch)
+        except BaseException:
+            with self._cv:  # put it back; changes made meanwhile are newer and win
+                for change, tier in batch.items():
+                    self._queued.setdefault(change, tier)
+            raise
+        finally:
+            with self._cv:
+                self._sending = False
+                self._cv.notify_all()
+        with self._cv:
+            self._sent = max(self._sent, seq)
+            self._cv.notify_all()
+
+    def _write(self, batch: dict) -> None:
+        removed: dict[bytes, list[bytes]] = defaultdict(list)
+        by_tier: dict[int, dict[bytes, list[bytes]]] = defaultdict(lambda: defaultdict(list))
+        for (group, key), tier in batch.items():
+            if tier is None:
+                removed[group].append(key)
+            else:
+                by_tier[tier][group].append(key)
+        d = self.directory
+        for group, keys in removed.items():
+            d.unregister(self.lease, group, keys)
+        for tier, groups in by_tier.items():
+            for group, keys in groups.items():
+                d.register(self.lease, tier, group, keys)
+        if removed:  # groups this node no longer holds anything of leave its purge index
+            d.disown(self.lease, list(removed), self._holds_no_chunk_of)
+
+    def _holds_no_chunk_of(self, group: bytes) -> bool:
+        with self._node_lock:
+            return not self._holds_group(group)
+
+    def shutdown(self, held: list) -> None:
+        """Unregister `held` ((group, key, tier) of everything still held) and leave; the lease lapses on its own
+        if Redis does not answer."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+        if self.fenced:
+            return
+        try:
+            batch = {(g, k): None for g, k, _t in held}
+            with self._cv:
+                batch.update({c: None for c in self._queued})
+            self._write(batch)
+            self.directory.leave(self.lease)
+        except redis.RedisError:
+            pass

@@ -1,0 +1,133 @@
+"""The data-plane matrix: every source x sink x split x fault, bit-exact. Shared by the Ray-cluster matrix that CI
+runs (tests/integration/test_matrix.py, CPU device sink) and the CUDA one run on a GPU machine without Ray
+(tests/gpu/test_matrix_cuda.py, plain KVNodes).
+
+Dimensions:
+    source  slab (the reader's own node), tcp (a peer's data server), ray (a peer's actor), via (pulled through the
+            reader's node: coalesce_pulls), disk (a peer whose copies are on its disk tier only)
+    sink    new (a new CPU tensor), out (the caller's `out=`), device (`fetch_to_device`)
+    split   one_run (one holder, one request), per_chunk (one holder, one chunk per batch: six parallel
+            requests), interleaved (two holders, chunk by chunk)
+    fault   none; holder_removed (a holder's KVNode is killed after the lookup, before the fetch); corrupt (one
+            byte of chunk K flipped where its holder keeps it)
+
+Each case checks: every delivered chunk equals its own reference bytes; a fault truncates at the first bad chunk
+(exactly: K for a corrupt chunk, the removed holder's first chunk for a removal); no pin outlives the call; the
+holder of a corrupt copy counts it and drops it (a later lookup stops before it).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from kvmesh import KVSpec
+
+SOURCES = ("slab", "tcp", "ray", "via", "disk")
+SINKS = ("new", "out", "device")
+SPLITS = ("one_run", "per_chunk", "interleaved")
+FAULTS = ("none", "holder_removed", "corrupt")
+N, K = 6, 2  # chunks per case; the chunk a corruption hits
+SPEC = KVSpec("matrix", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=32)
+
+# (reader, holder of the even chunks, holder of the odd chunks) per source; roles are the backend's nodes:
+# A and B hold in memory, C reads, D holds on disk
+ROLES = {"slab": ("A", "A", "B"), "tcp": ("C", "A", "B"), "ray": ("C", "A", "B"), "via": ("C", "A", "B"),
+         "disk": ("C", "D", "A")}
+
+
+def cases(sources=SOURCES, sinks=SINKS, splits=SPLITS, faults=FAULTS) -> list[tuple[str, str, str, str]]:
+    return list(itertools.product(sources, sinks, splits, faults))
+
+
+def case_id(case) -> str:
+    return "-".join(case)
+
+
+def options(source: str, split: str) -> dict:
+    opts = {"peer_transport": "ray" if source == "ray" else "tcp", "coalesce_pulls": source == "via"}
+    if split == "per_chunk":
+        opts["pull_batch_bytes"] = SPEC.chunk_bytes
+    return opts
+
+
+def holders(source: str, split: str) -> list[str]:
+    """The role holding each chunk."""
+    _reader, even, odd = ROLES[source]
+    return [even if (split != "interleaved" or i % 2 == 0) else odd for i in range(N)]
+
+
+def removed(source: str, split: str) -> str:
+    """The holder a removal kills: the only one, or the holder of the odd chunks."""
+    return holders(source, split)[1]
+
+
+def expected(source: str, split: str, fault: str) -> int:
+    if fault == "corrupt":
+        return K
+    if fault == "holder_removed":
+        return holders(source, split).index(removed(source, split))
+    return N
+
+
+def data(seed: int, n: int = N) -> tuple[list[int], torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, 50_000, (n * SPEC.chunk_tokens,), generator=g).tolist()
+    return toks, torch.randn(SPEC.kv_shape(len(toks)), generator=g).to(SPEC.torch_dtype)
+
+
+def keys(toks) -> list[bytes]:
+    from kvmesh.hashing import as_tokens, chunk_hashes
+
+    return chunk_hashes(SPEC.namespace, as_tokens(toks), SPEC.chunk_tokens)
+
+
+def seed(case) -> int:
+    import zlib
+
+    return zlib.crc32(case_id(case).encode()) % 100_000 + 1
+
+
+def chunk(kv: torch.Tensor, i: int) -> torch.Tensor:
+    c = SPEC.chunk_tokens
+    return kv[:, :, i * c:(i + 1) * c]
+
+
+def run_case(backend, case) -> None:
+    """`backend`: store(role, toks, kv, only) / lookup(role, toks, opts) / fetch(role, match, sink, opts) ->
+    (delivered, kv of the delivered chunks) / kill(role) / revive(role) / corrupt(role, toks, index) /
+    counters(role) -> dict / pinned() -> {role: pinned} / lookup_len(role, toks) -> chunks cached."""
+    source, sink, split, fault = case
+    reader = ROLES[source][0]
+    toks, kv = data(seed(case))
+    where = holders(source, split)
+    for role in dict.fromkeys(where):
+        backend.store(role, toks, kv, [i for i, r in enumerate(where) if r == role])
+    opts = options(source, split)
+    match = backend.lookup(reader, toks, opts)
+    assert match.num_chunks == N, f"the lookup found {match.num_chunks} of {N} chunks"
+    bad_holder = where[K]
+    before = backend.counters(bad_holder)
+    if fault == "corrupt":
+        backend.corrupt(bad_holder, toks, K)
+    if fault == "holder_removed":
+        backend.kill(removed(source, split))
+    try:
+        delivered, got = backend.fetch(reader, match, sink, opts)
+    finally:
+        if fault == "holder_removed":
+            backend.revive(removed(source, split))
+    want = expected(source, split, fault)
+    assert delivered == want, f"delivered {delivered} chunks, expected {want}"
+    assert got.shape[2] == delivered * SPEC.chunk_tokens
+    for i in range(delivered):
+        c = SPEC.chunk_tokens
+        assert torch.equal(got[:, :, i * c:(i + 1) * c].view(torch.uint8), chunk(kv, i).contiguous().view(
+            torch.uint8)), f"chunk {i} holds other bytes"
+    backend.no_pins()
+    if fault == "corrupt":
+        after = backend.counters(bad_holder)
+        dropped = sum(after.get(c, 0) - before.get(c, 0) for c in ("corrupt_dropped", "disk_checksum_failures"))
+        assert dropped == 1, f"the holder counted {dropped} corrupt chunks"
+        backend.wait_lookup_len(reader, toks, opts, K)  # and it is no longer listed

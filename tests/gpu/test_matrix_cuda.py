@@ -1,0 +1,138 @@
+"""The data-plane matrix's device-sink cases on real CUDA tensors (tests/dataplane_matrix.py says what each case
+checks). The GPU machine has no Ray: four KVNodes run as plain objects in this process against a real redis-server
+(A and B hold in memory, C reads, D holds on its disk tier), and readers use `connect_local`. Sources: slab, tcp,
+via and disk (the Ray transport needs Ray: it runs in tests/integration/test_matrix.py). Skipped without CUDA."""
+
+import os
+
+import pytest
+import torch
+
+from kvmesh.client import connect_local
+from kvmesh.config import KVMeshConfig
+from kvmesh.handle import LocalHandle
+from kvmesh.node import KVNode
+from tests import dataplane_matrix as mx
+from tests.conftest import wait_until
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (KVMESH_PLAIN_MATRIX=1 runs it on the CPU device sink, to debug it where there is no GPU)
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(DEVICE == "cpu" and not os.environ.get("KVMESH_PLAIN_MATRIX"),
+                                                  reason="needs a CUDA GPU")]
+SLOT = 64 * 1024
+
+
+class PlainBackend:
+    def __init__(self, url: str, tmp) -> None:
+        base = KVMeshConfig(redis_url=url, key_prefix="mxc", cpu_bytes=64 * SLOT, slot_bytes=SLOT, lease_s=4.0,
+                            heartbeat_s=0.5, node_refresh_s=0.2, fetch_timeout_s=5.0, shm_dir=str(tmp / "shm"))
+        os.makedirs(base.shm_dir, exist_ok=True)
+        self.configs = {r: base for r in "ABC"}
+        self.configs["D"] = base.replace(cpu_bytes=8 * SLOT, disk_bytes=64 * SLOT, disk_dir=str(tmp / "disk"))
+        self.nodes = {r: self._node(r, f"node-{r}" * 6) for r in "ABCD"}
+        self.reader = None
+        self.seq = 0
+
+    def _node(self, role, node_id):
+        n = KVNode(self.configs[role], node_id, f"kvnode-{role}")
+        # without Ray a node reaches its peers' KVNodes in this process (to report a corrupt copy to its holder)
+        n.peers = lambda node: next((LocalHandle(p, n.node_id) for p in self.nodes.values()
+                                     if p.node_id == node and not p._closed), None)
+        return n
+
+    def client(self, role, **opts):
+        others = [n for r, n in self.nodes.items() if r != role and not n._closed]
+        return connect_local(mx.SPEC, self.nodes[role], peers=others, **opts)
+
+    def store(self, role, toks, kv, only):
+        c = self.client(role)
+        try:
+            keys = mx.keys(toks)
+            c.store_keys(keys[0], [keys[i] for i in only], [mx.chunk(kv, i) for i in only])
+            assert c.flush() == len(only)
+            if role == "D":  # more chunks than D's CPU tier holds, stored after: the case's chunks go to disk
+                self.seq += 1
+                c.store(*mx.data(2_000_000 + self.seq, n=12))
+                c.flush()
+                want = [keys[i] for i in only]
+                wait_until(lambda: all([w[0] for w in where] == ["disk"] for where in self.nodes["D"].locate(want)),
+                           10)
+        finally:
+            c.close()
+
+    def lookup(self, role, toks, opts):
+        self.reader = self.client(role, **opts)
+        return self.reader.lookup(toks, cost_model=False)
+
+    def fetch(self, role, match, sink, opts):
+        c, s = self.reader, mx.SPEC
+        try:
+            load, n = c.fetch_to_device(match, DEVICE)
+            if load is None:
+                return 0, torch.empty(s.kv_shape(0), dtype=s.torch_dtype)
+            try:
+                n = min(n, load.first_unverified())
+                got = load.staging[:n].permute(1, 2, 0, 3, 4, 5).reshape(s.kv_shape(n * s.chunk_tokens)).cpu()
+            finally:
+                load.release()
+            return n, got
+        finally:
+            c.close()
+
+    def kill(self, role):
+        n = self.nodes[role]
+        n._closed = True  # its handles refuse calls from now on, as a dead actor's would
+        n._stop.set()
+        n.data_server.shutdown()
+        r = n.registrar
+        with r._cv:
+            r._stop = True
+            r._cv.notify_all()
+
+    def revive(self, role):
+        old = self.nodes[role]
+        old._closed = False
+        old.shutdown()
+        self.nodes[role] = self._node(role, old.node_id)
+
+    def corrupt(self, role, toks, index):
+        key = mx.keys(toks)[index]
+        (tier, path, offset), = [w for w in self.nodes[role].locate([key])[0]
+                                 if w[0] == ("disk" if role == "D" else "cpu")]
+        with open(path, "r+b") as f:
+            f.seek(offset + 1000)
+            b = f.read(1)
+            f.seek(offset + 1000)
+            f.write(bytes([b[0] ^ 0x20]))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def counters(self, role):
+        return self.nodes[role].stats()
+
+    def no_pins(self):
+        wait_until(lambda: all(n.stats()["pinned"] == 0 for n in self.nodes.values()), 5)
+
+    def wait_lookup_len(self, role, toks, opts, n):
+        c = self.client(role, **opts)
+        try:
+            wait_until(lambda: c.lookup(toks, cost_model=False).num_chunks == n, 5)
+        finally:
+            c.close()
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    from kvmesh.local import RedisServer
+
+    with RedisServer() as server:
+        b = PlainBackend(server.url, tmp_path_factory.mktemp("mxc"))
+        yield b
+        for n in b.nodes.values():
+            n.shutdown()
+
+
+@pytest.mark.parametrize("case", mx.cases(sources=("slab", "tcp", "via", "disk"), sinks=("device",)),
+                         ids=mx.case_id)
+def test_matrix_on_cuda(backend, case):
+    mx.run_case(backend, case)

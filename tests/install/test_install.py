@@ -126,8 +126,10 @@ def inst(pytestconfig):
         report_line = (f"install test: build {build_s:.1f} s, the engine's torch {torch_s:.1f} s, kvmesh with its "
                        f"dependencies {install_s:.1f} s ({len(installed)} packages)")
         terminal = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-        if terminal:  # CI's log shows where the time went, -q or not
-            terminal.write_line("\n" + report_line)
+        capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+        if terminal and capture:  # CI's log shows where the time went, -q or not (what capsys.disabled() does)
+            with capture.global_and_fixture_disabled():
+                terminal.write_line("\n" + report_line)
         yield Installed(work, venv, py, site, wheel, before, after, installed, build_s, torch_s, install_s)
     finally:
         shutil.rmtree(work, ignore_errors=True)

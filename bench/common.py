@@ -72,8 +72,9 @@ def median_time(fn, repeat: int, warmup: int = 3) -> float:
 def plot_speedup(rows: list[dict], x: str, y: str, path, title: str, series: str | None = None) -> None:
     """A PNG of speedup (y) against context length (x), log-x, with the break-even line and the crossover where
     reuse starts to pay marked."""
-    import matplotlib
+    from kvmesh._extras import require
 
+    matplotlib = require("matplotlib", "bench", "bench's plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

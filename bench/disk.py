@@ -142,6 +142,10 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
+    from kvmesh._extras import require
+
+    require("matplotlib", "bench", "bench/disk.py")  # its plot: fail now, not after the run
+    tqdm = require("tqdm", "bench", "bench/disk.py").tqdm
     directory = tempfile.mkdtemp(prefix="kvmesh-disk-bench-", dir=args.dir)
     try:
         fs = subprocess.run(["df", "-T", directory], capture_output=True, text=True).stdout.splitlines()[-1]
@@ -149,15 +153,10 @@ def main() -> None:
         out["d1"] = d1(directory, args.mib * MiB, 4 * MiB, args.repeat)
         print("D1", out["d1"], flush=True)
         lengths = [256, 512, 1024, 2048, 4096, 8192]
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(lengths), desc="D2 prefix lengths", unit="len")
-            out["d2"] = d2(directory, lengths, progress=lambda r: (bar.update(1), bar.set_postfix(
-                disk=f"{r['disk_speedup']:.0f}x")))
-            bar.close()
-        except ImportError:
-            out["d2"] = d2(directory, lengths)
+        bar = tqdm(total=len(lengths), desc="D2 prefix lengths", unit="len")
+        out["d2"] = d2(directory, lengths, progress=lambda r: (bar.update(1), bar.set_postfix(
+            disk=f"{r['disk_speedup']:.0f}x")))
+        bar.close()
         pays = [r["prefix_tokens"] for r in out["d2"] if r["disk_pays"]]
         out["d2_crossover_tokens"] = min(pays) if pays else None
         out["d2_note"] = ("disk pays from the smallest prefix measured when every point pays; the cost model "

@@ -72,14 +72,12 @@ def main(argv=None) -> None:
     p.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
-    try:
-        from tqdm import tqdm
+    from kvmesh._extras import require
 
-        bar = tqdm(total=len(lengths), desc="context lengths", unit="len")
-        rows = run(lengths, progress=lambda r: (bar.update(1), bar.set_postfix(speedup=f"{r['speedup']:.1f}x")))
-        bar.close()
-    except ImportError:
-        rows = run(lengths)
+    require("matplotlib", "bench", "bench/reuse.py")  # its plot: fail now, not after the run
+    bar = require("tqdm", "bench", "bench/reuse.py").tqdm(total=len(lengths), desc="context lengths", unit="len")
+    rows = run(lengths, progress=lambda r: (bar.update(1), bar.set_postfix(speedup=f"{r['speedup']:.1f}x")))
+    bar.close()
     path = save("reuse", {"model": "demo llama (hidden 512, 8 layers, fp32)", "rows": rows})
     png = path.with_suffix(".png")
     plot_speedup(rows, "prompt_tokens", "speedup", png, "TTFT speedup with a CPU-tier hit (this machine)")

@@ -300,8 +300,9 @@ def r4_namespaces(config: KVMeshConfig, nodes: list[str], seed: int = 4, chunks:
 # -- R5 ------------------------------------------------------------------------------------------------------------
 def _rss(pids: list[int]) -> tuple[int, int]:
     """(resident, private) bytes of `pids`: private leaves out shared mappings (the slabs, Ray's object store)."""
-    import psutil
+    from kvmesh._extras import require
 
+    psutil = require("psutil", "bench", "bench/scenarios.py's memory readings")
     rss = private = 0
     for pid in pids:
         try:

@@ -157,6 +157,9 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--modes", default="async,sync")
     args = p.parse_args(argv)
+    from kvmesh._extras import require
+
+    require("matplotlib", "bench", "bench/vllm.py")  # its plot: fail now, not after the run
     lengths = [int(x) for x in args.lengths.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-vllm-") as work:

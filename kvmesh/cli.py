@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvmesh._extras import MissingExtra
+
 BENCHES = {"reuse": "reuse.py", "core": "core.py", "disk": "disk.py", "gpu": "gpu.py"}
 
 
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
-    except ValueError as e:  # configuration errors: one clear line
+    except (ValueError, MissingExtra) as e:  # configuration errors and missing extras: one clear line
         if os.environ.get("KVMESH_DEBUG"):
             raise
         print(f"kvmesh {args.command}: {e}", file=sys.stderr)

@@ -80,16 +80,15 @@ def run_demo(o: DemoOptions, out=print) -> dict:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     import kvmesh
+    from kvmesh.integrations.hf import spec_for_model, tiny_llama  # kvmesh[hf]: fails here, before anything starts
     from kvmesh.local import LocalRayCluster, RedisServer
 
     t_start = time.perf_counter()
-    redis_server = RedisServer()
+    redis_server = RedisServer()  # kvmesh[local]'s redis-server
     cluster = dashboard = None
     try:
         out(f"starting: redis-server on {redis_server.url}, a {o.nodes}-node local Ray cluster ...")
         cluster = LocalRayCluster(o.nodes, num_cpus=1)
-        from kvmesh.integrations.hf import spec_for_model, tiny_llama
-
         spec = spec_for_model(tiny_llama(o.seed, hidden_size=o.hidden_size, num_layers=o.layers,
                                          intermediate_size=o.hidden_size * 11 // 4), chunk_tokens=o.chunk_tokens)
         mesh = kvmesh.start(redis_server.url, cpu_bytes=o.cpu_mib * MiB, slot_bytes=spec.chunk_bytes)

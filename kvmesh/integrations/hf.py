@@ -23,9 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmesh._extras import require
 from kvmesh.hashing import as_tokens
 from kvmesh.movers import LayerwiseLoad, scatter_contiguous
 from kvmesh.spec import KVSpec
+
+transformers = require("transformers", "hf", __name__)
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -55,9 +58,7 @@ def spec_for_model(model, *, model_id: str | None = None, chunk_tokens: int = 25
 
 
 def _new_cache():
-    from transformers import DynamicCache
-
-    return DynamicCache()
+    return transformers.DynamicCache()
 
 
 def _install(cache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -301,13 +302,12 @@ def tiny_llama(seed: int = 0, *, vocab_size: int = 4096, hidden_size: int = 256,
                max_position_embeddings: int = 8192, initializer_range: float = 0.2, dtype=torch.float32):
     """A random-weight `LlamaForCausalLM`, identical for equal arguments in every process. The large
     `initializer_range` keeps greedy outputs prompt-dependent, so output comparisons mean something."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                      num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                      intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-                      initializer_range=initializer_range, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                                   intermediate_size=intermediate_size,
+                                   max_position_embeddings=max_position_embeddings,
+                                   initializer_range=initializer_range, tie_word_embeddings=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(cfg)
+        model = transformers.LlamaForCausalLM(cfg)
     return model.to(dtype).eval()

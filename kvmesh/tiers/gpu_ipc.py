@@ -4,6 +4,7 @@ copy chunks device to device (or peer to peer, or through page-locked host memor
     DevicePool(nbytes, device)                 KVNode side: one cudaMalloc'ed allocation (a uint8 `tensor` over it)
       .export(node_id, incarnation, first_slot, slot_bytes) -> PoolExport      pure; raises GpuIpcError
     PoolExport.pack() -> bytes / PoolExport.unpack(bytes)   the serialisable handle (msgpack, versioned)
+    export_for(exports, slot) -> PoolExport    which pool of a tier holds a slot
     PoolMapper()                               worker side, one per process: mappings cached per (incarnation, pool)
       .open(export) -> MappedPool              mutates the cache; raises GpuIpcError (typed `reason`)
       .retire(node_id, keep=None)              mutates: unmaps every pool of a node's other incarnations
@@ -52,102 +53,26 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
+from kvmesh.cudart import CudaError, Cudart, IpcHandle
+from kvmesh.cudart import cudart as _cudart
 from kvmesh.tiers.devsum import Coefficients, Verify, device_checksums, verify_on_side_stream
 
 EXPORT_VERSION = 1
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 
 
-class GpuIpcError(RuntimeError):
+class GpuIpcError(CudaError):
     """A GPU-tier chunk cannot be reached device to device; the caller falls back to the host path.
-    `reason`: no_cuda | no_cudart | ipc_unsupported | device_not_visible | stale | closed | bad_export."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+    `reason`: no_cuda | no_cudart | ipc_unsupported | device_not_visible | stale | closed | out_of_memory."""
 
 
-# -- the CUDA runtime, as torch loaded it -------------------------------------------------------------------------
-class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
-
-
-class _Cudart:
-    """ctypes bindings of the libcudart that torch uses in this process (the same runtime state and last-error)."""
-
-    def __init__(self) -> None:
-        if not torch.cuda.is_available():
-            raise GpuIpcError("no_cuda", "torch sees no CUDA device")
-        torch.cuda.init()
-        lib = None
-        for path in self._candidates():
-            try:
-                lib = ctypes.CDLL(path)
-                lib.cudaIpcOpenMemHandle  # noqa: B018  (a libcudart at all)
-                break
-            except (OSError, AttributeError):
-                lib = None
-        if lib is None:
-            raise GpuIpcError("no_cudart", "no libcudart with the IPC calls in this process")
-        self.lib = lib
-        vp, sz, i32, u32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint
-        for name, args in (("cudaMalloc", [ctypes.POINTER(vp), sz]), ("cudaFree", [vp]),
-                           ("cudaIpcGetMemHandle", [ctypes.POINTER(_IpcHandle), vp]),
-                           ("cudaIpcOpenMemHandle", [ctypes.POINTER(vp), _IpcHandle, u32]),
-                           ("cudaIpcCloseMemHandle", [vp]), ("cudaGetDevice", [ctypes.POINTER(i32)]),
-                           ("cudaSetDevice", [i32]), ("cudaGetLastError", []), ("cudaDeviceSynchronize", [])):
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, i32
-        lib.cudaGetErrorString.argtypes, lib.cudaGetErrorString.restype = [i32], ctypes.c_char_p
-
-    @staticmethod
-    def _candidates() -> list[str]:
-        found = []
-        try:
-            with open("/proc/self/maps") as f:
-                for line in f:
-                    path = line.split()[-1] if line.strip() else ""
-                    if "libcudart" in path and path not in found:
-                        found.append(path)
-        except OSError:
-            pass
-        return found + ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
-
-    def call(self, name: str, *args, reason: str = "ipc_unsupported") -> None:
-        err = getattr(self.lib, name)(*args)
-        if err != 0:
-            self.lib.cudaGetLastError()  # clear it, so torch's next launch check does not raise it
-            msg = self.lib.cudaGetErrorString(err)
-            raise GpuIpcError(reason, f"{name}: {msg.decode() if msg else err}")
-
-    def on_device(self, index: int):
-        return _DeviceScope(self, index)
-
-
-class _DeviceScope:
-    def __init__(self, rt: _Cudart, index: int) -> None:
-        self.rt, self.index = rt, index
-
-    def __enter__(self):
-        prev = ctypes.c_int()
-        self.rt.call("cudaGetDevice", ctypes.byref(prev))
-        self.prev = prev.value
-        self.rt.call("cudaSetDevice", self.index, reason="device_not_visible")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.rt.lib.cudaSetDevice(self.prev)
-
-
-_runtime_lock = threading.Lock()
-_runtime: list = []  # the process's one _Cudart, made on first use (a binding of a process-wide library)
-
-
-def cudart() -> _Cudart:
-    with _runtime_lock:
-        if not _runtime:
-            _runtime.append(_Cudart())
-        return _runtime[0]
+def cudart() -> Cudart:
+    try:
+        return _cudart()
+    except GpuIpcError:
+        raise
+    except CudaError as e:
+        raise GpuIpcError(e.reason, str(e)) from None
 
 
 class _Memory:
@@ -155,7 +80,7 @@ class _Memory:
     reference to this object for as long as any tensor or view of the memory lives; the memory is released
     (cudaFree / cudaIpcCloseMemHandle) only then."""
 
-    def __init__(self, rt: _Cudart, ptr: int, nbytes: int, device_index: int, release: str) -> None:
+    def __init__(self, rt: Cudart, ptr: int, nbytes: int, device_index: int, release: str) -> None:
         self.rt, self.ptr, self.nbytes, self.device_index, self.release = rt, ptr, nbytes, device_index, release
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "version": 2, "strides": None}
@@ -227,6 +152,14 @@ class PoolExport:
         return (slot - self.first_slot) * self.slot_bytes
 
 
+def export_for(exports: Sequence[PoolExport], slot: int) -> PoolExport:
+    """The export of the pool that holds tier slot `slot` (a tier has one pool per GPU)."""
+    for e in exports:
+        if e.first_slot <= slot < e.first_slot + e.num_slots:
+            return e
+    raise ValueError(f"no exported pool holds slot {slot}")
+
+
 class DevicePool:
     """One cudaMalloc'ed allocation on one GPU, owned by a GpuTier. `tensor` is a uint8 view of all of it."""
 
@@ -239,8 +172,8 @@ class DevicePool:
         rt = cudart()
         index = device.index if device.index is not None else torch.cuda.current_device()
         ptr = ctypes.c_void_p()
-        with rt.on_device(index):
-            rt.call("cudaMalloc", ctypes.byref(ptr), nbytes, reason="out_of_memory")
+        with rt.on_device(index, GpuIpcError):
+            rt.call("cudaMalloc", ctypes.byref(ptr), nbytes, reason="out_of_memory", error=GpuIpcError)
         self.device = torch.device("cuda", index)
         self.nbytes = nbytes
         self.pool_id = secrets.token_bytes(8)
@@ -253,9 +186,10 @@ class DevicePool:
             raise GpuIpcError("closed", "the pool was closed")
         if self._handle is None:
             rt = cudart()
-            h = _IpcHandle()
-            with rt.on_device(self.device.index):
-                rt.call("cudaIpcGetMemHandle", ctypes.byref(h), ctypes.c_void_p(self.tensor.data_ptr()))
+            h = IpcHandle()
+            with rt.on_device(self.device.index, GpuIpcError):
+                rt.call("cudaIpcGetMemHandle", ctypes.byref(h), ctypes.c_void_p(self.tensor.data_ptr()),
+                        reason="ipc_unsupported", error=GpuIpcError)
             self._handle = bytes(h.reserved)
         return PoolExport(node_id, incarnation, self.pool_id, device_uuid(self.device.index), os.getpid(),
                           self._handle, self.nbytes, slot_bytes, first_slot, self.nbytes // slot_bytes)
@@ -317,10 +251,11 @@ class PoolMapper:
             raise GpuIpcError("device_not_visible", f"GPU {export.device_uuid} is not visible to this process")
         rt = cudart()
         ptr = ctypes.c_void_p()
-        handle = _IpcHandle()
+        handle = IpcHandle()
         handle.reserved = export.handle
-        with rt.on_device(index):
-            rt.call("cudaIpcOpenMemHandle", ctypes.byref(ptr), handle, _IPC_LAZY_ENABLE_PEER_ACCESS)
+        with rt.on_device(index, GpuIpcError):
+            rt.call("cudaIpcOpenMemHandle", ctypes.byref(ptr), handle, _IPC_LAZY_ENABLE_PEER_ACCESS,
+                    reason="ipc_unsupported", error=GpuIpcError)
         return MappedPool(export, _Memory(rt, ptr.value, export.nbytes, index, "cudaIpcCloseMemHandle").tensor())
 
     def retire(self, node_id: str, keep: str | None = None) -> int:

@@ -97,3 +97,12 @@ def test_a_load_and_a_store_together_round_trip():
     assert load_and_store_paged((stored, spec, dst, table), (src, other, out), batch_chunks=1) == (None, None)
     assert torch.equal(gather_paged(dst, table), gather_paged(src, table))
     assert [bytes(b) for b in out] == [gather_paged(src, other)[i].numpy().tobytes() for i in range(2)]
+
+
+def test_runs_group_evenly_spaced_sources_for_one_strided_copy_each():
+    from kvmesh.movers import _runs
+
+    slab = torch.zeros(12 * 64, dtype=torch.uint8)
+    srcs = [slab[i * 64:(i + 1) * 64] for i in (0, 1, 2, 3, 5, 7, 9, 8, 4)]
+    assert _runs(srcs, 64) == [(0, 4, 64), (4, 3, 128), (7, 1, 64), (8, 1, 64)]
+    assert _runs([], 64) == [] and _runs(srcs[:1], 64) == [(0, 1, 64)]

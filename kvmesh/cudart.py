@@ -30,7 +30,18 @@ class CudaError(RuntimeError):
 
 
 class IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]  # cudaIpcMemHandle_t
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # cudaIpcMemHandle_t (c_ubyte: NUL bytes are data here)
+
+    def raw(self) -> bytes:
+        return bytes(self.reserved)
+
+    @classmethod
+    def of(cls, raw: bytes) -> "IpcHandle":
+        if len(raw) != 64:
+            raise ValueError("a cudaIpcMemHandle_t is 64 bytes")
+        h = cls()
+        ctypes.memmove(ctypes.addressof(h), raw, 64)
+        return h
 
 
 class Cudart:

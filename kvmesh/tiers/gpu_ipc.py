@@ -190,7 +190,7 @@ class DevicePool:
             with rt.on_device(self.device.index, GpuIpcError):
                 rt.call("cudaIpcGetMemHandle", ctypes.byref(h), ctypes.c_void_p(self.tensor.data_ptr()),
                         reason="ipc_unsupported", error=GpuIpcError)
-            self._handle = bytes(h.reserved)
+            self._handle = h.raw()
         return PoolExport(node_id, incarnation, self.pool_id, device_uuid(self.device.index), os.getpid(),
                           self._handle, self.nbytes, slot_bytes, first_slot, self.nbytes // slot_bytes)
 
@@ -251,8 +251,7 @@ class PoolMapper:
             raise GpuIpcError("device_not_visible", f"GPU {export.device_uuid} is not visible to this process")
         rt = cudart()
         ptr = ctypes.c_void_p()
-        handle = IpcHandle()
-        handle.reserved = export.handle
+        handle = IpcHandle.of(export.handle)
         with rt.on_device(index, GpuIpcError):
             rt.call("cudaIpcOpenMemHandle", ctypes.byref(ptr), handle, _IPC_LAZY_ENABLE_PEER_ACCESS,
                     reason="ipc_unsupported", error=GpuIpcError)

@@ -379,6 +379,9 @@ def to_device(host_srcs: Sequence, spec: KVSpec, device: torch.device | str, *, 
         for g in groups:
             a, b = g.start * layer_bytes, g.stop * layer_bytes
             for i0, count, stride in runs if runs is not None else [(i, 1, 0) for i in range(n)]:
+                if count > 1 and srcs[i0].is_cuda:  # device memory: one strided copy kernel (the copy engines
+                    copy_run(flat, i0, count, srcs[i0], stride, a, b)  # move 2-D device copies ~10x slower)
+                    continue
                 if count > 1 and _copy_2d(flat, i0, count, srcs[i0], stride, a, b, stream):
                     continue
                 for i in range(i0, i0 + count):
@@ -388,6 +391,19 @@ def to_device(host_srcs: Sequence, spec: KVSpec, device: torch.device | str, *, 
             for layer in g:
                 events[layer] = ev
     return LayerwiseLoad(staging, events, stream, srcs, started)
+
+
+def copy_run(flat: torch.Tensor, i0: int, count: int, src0: torch.Tensor, stride: int, a: int, b: int) -> None:
+    """Bytes [a, b) of `count` sources spaced `stride` bytes apart in one storage (starting at `src0`, a uint8
+    view) into rows i0.. of `flat`, as one torch copy over strided views (in 8-byte words where aligned)."""
+    w = b - a
+    unit = 8 if w % 8 == 0 and stride % 8 == 0 and a % 8 == 0 and flat.stride(0) % 8 == 0 \
+        and src0.storage_offset() % 8 == 0 and flat.storage_offset() % 8 == 0 else 1
+    dtype = torch.int64 if unit == 8 else torch.uint8
+    base = src0 if unit == 1 else src0[: src0.numel() // 8 * 8].view(dtype)
+    src = base.as_strided((count, w // unit), (stride // unit, 1), base.storage_offset() + a // unit)
+    dst = flat[i0:i0 + count, a:b]
+    (dst if unit == 1 else dst.view(dtype)).copy_(src, non_blocking=True)
 
 
 def _copy_2d(flat: torch.Tensor, i0: int, count: int, src0: torch.Tensor, stride: int, a: int, b: int,

@@ -320,8 +320,12 @@ def _copy_all(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], peer: 
         if s_dev != d_dev:  # the source side's queued work (e.g. the KVNode's writes are its own; an engine's
             stream.wait_stream(torch.cuda.current_stream(s_dev))  # kernels that made `srcs`) comes first
         with torch.cuda.stream(stream):
-            for s, d in zip(srcs, dsts):
-                d.copy_(s, non_blocking=True)
+            for i0, count in _adjacent_runs(srcs, dsts):
+                if count == 1:
+                    dsts[i0].copy_(srcs[i0], non_blocking=True)
+                else:  # chunks back to back on both sides (consecutive slots, one staging buffer): one copy
+                    n = srcs[i0].numel() * count
+                    dsts[i0].as_strided((n,), (1,)).copy_(srcs[i0].as_strided((n,), (1,)), non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         return done, ("d2d" if s_dev == d_dev else "p2p"), stream
@@ -333,6 +337,22 @@ def _copy_all(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], peer: 
         done = bounce.copy(s, d, j, s_stream, stream)
     done.synchronize()  # the bounce buffers are freed on return
     return done, "host", stream
+
+
+def _adjacent_runs(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """(first, count) runs of pairs that sit back to back in both the source and the destination storage."""
+    runs, i = [], 0
+    while i < len(srcs):
+        j = i + 1
+        while (j < len(srcs) and srcs[j].untyped_storage().data_ptr() == srcs[i].untyped_storage().data_ptr()
+               and dsts[j].untyped_storage().data_ptr() == dsts[i].untyped_storage().data_ptr()
+               and srcs[j].data_ptr() == srcs[j - 1].data_ptr() + srcs[j - 1].numel()
+               and dsts[j].data_ptr() == dsts[j - 1].data_ptr() + dsts[j - 1].numel()
+               and srcs[j].numel() == srcs[i].numel()):
+            j += 1
+        runs.append((i, j - i))
+        i = j
+    return runs
 
 
 @dataclass

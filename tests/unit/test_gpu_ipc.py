@@ -158,3 +158,14 @@ def test_reads_through_the_primitives_verify_on_the_cpu_too():
     assert not read_to_device(srcs, spec, "cpu", bad).verified()
     with pytest.raises(ValueError):
         read_chunks(srcs, dsts[:2], sums)
+
+
+def test_reads_of_back_to_back_chunks_coalesce_into_one_copy_per_run():
+    from kvmesh.tiers.gpu_ipc import _adjacent_runs
+
+    pool, staging = torch.zeros(8 * 16, dtype=torch.uint8), torch.zeros(5 * 16, dtype=torch.uint8)
+    srcs = [pool[s * 16:(s + 1) * 16] for s in (2, 3, 4, 6, 7)]
+    dsts = [staging[i * 16:(i + 1) * 16] for i in range(5)]
+    assert _adjacent_runs(srcs, dsts) == [(0, 3), (3, 2)]
+    other = torch.zeros(16, dtype=torch.uint8)
+    assert _adjacent_runs(srcs[:2], [dsts[0], other]) == [(0, 1), (1, 1)]  # another destination storage

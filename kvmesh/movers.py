@@ -91,8 +91,17 @@ def scatter_contiguous(chunks: torch.Tensor, keys: Sequence[torch.Tensor], value
     n, _, _, c, h, d = chunks.shape
     end = start + n * c
     for j, i in enumerate(layers if layers is not None else range(chunks.shape[1])):
-        keys[i][0, :, start:end].copy_(chunks[:, j, 0].permute(2, 0, 1, 3).reshape(h, n * c, d))
-        values[i][0, :, start:end].copy_(chunks[:, j, 1].permute(2, 0, 1, 3).reshape(h, n * c, d))
+        # one strided copy each, straight into the [H, n, C, D] view of the destination (a reshape of the
+        # permuted source would first materialise it: twice the memory traffic, on the prefill's critical path)
+        _into(keys[i][0, :, start:end], h, n, c, d).copy_(chunks[:, j, 0].permute(2, 0, 1, 3))
+        _into(values[i][0, :, start:end], h, n, c, d).copy_(chunks[:, j, 1].permute(2, 0, 1, 3))
+
+
+def _into(dst: torch.Tensor, h: int, n: int, c: int, d: int) -> torch.Tensor:
+    try:
+        return dst.view(h, n, c, d)
+    except RuntimeError:  # a destination whose token dim cannot be split: copy through its own layout
+        return dst.unflatten(1, (n, c))
 
 
 def _as_bytes(buf) -> torch.Tensor:

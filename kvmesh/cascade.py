@@ -211,7 +211,12 @@ class Cascade:
         if t is None:
             return None
         _bytes(dst.buffer(t.slot))[: rec.nbytes].copy_(_bytes(src.buffer(slot))[: rec.nbytes])
-        dst.complete_store(t, rec.checksum)
+        carried = rec.checksum if dst is self.gpu else src.host_checksum(slot, dst.buffer(t.slot)[: rec.nbytes])
+        if carried is None:  # a chunk from an engine's GPU whose device bytes fail their device checksum
+            dst.abort_store(t)
+            self._corrupt.append(rec.key)
+            return None
+        dst.complete_store(t, carried)
         self._flow(src, dst, rec.nbytes)
         if dst is self.cpu:
             self._write_through(t.slot)

@@ -16,7 +16,8 @@ Primitives (none allocate per page; each runs one indexed kernel per layer over 
     load_paged(host_srcs, spec, layers, block_table) -> event               host chunks -> pages, pipelined
     load_and_store_paged(load, store) -> (event, event)                     both at once, batches interleaved
     to_device(host_srcs, spec, device, ...) -> LayerwiseLoad                host chunks -> device, async, with
-                                                                            completion per layer
+                                                                            completion per layer (one strided
+                                                                            copy per layer over a run of chunks)
 
 Host<->device copies move whole contiguous pieces: a chunk, or a group of its layers of at least
 `min_copy_bytes` (a copy has a fixed cost of ~13 µs; 8 MiB pieces keep it under 10 %), all issued at once on a
@@ -90,8 +91,17 @@ def scatter_contiguous(chunks: torch.Tensor, keys: Sequence[torch.Tensor], value
     n, _, _, c, h, d = chunks.shape
     end = start + n * c
     for j, i in enumerate(layers if layers is not None else range(chunks.shape[1])):
-        keys[i][0, :, start:end].copy_(chunks[:, j, 0].permute(2, 0, 1, 3).reshape(h, n * c, d))
-        values[i][0, :, start:end].copy_(chunks[:, j, 1].permute(2, 0, 1, 3).reshape(h, n * c, d))
+        # one strided copy each, straight into the [H, n, C, D] view of the destination (a reshape of the
+        # permuted source would first materialise it: twice the memory traffic, on the prefill's critical path)
+        _into(keys[i][0, :, start:end], h, n, c, d).copy_(chunks[:, j, 0].permute(2, 0, 1, 3))
+        _into(values[i][0, :, start:end], h, n, c, d).copy_(chunks[:, j, 1].permute(2, 0, 1, 3))
+
+
+def _into(dst: torch.Tensor, h: int, n: int, c: int, d: int) -> torch.Tensor:
+    try:
+        return dst.view(h, n, c, d)
+    except RuntimeError:  # a destination whose token dim cannot be split: copy through its own layout
+        return dst.unflatten(1, (n, c))
 
 
 def _as_bytes(buf) -> torch.Tensor:
@@ -325,10 +335,35 @@ def layer_groups(spec: KVSpec, min_copy_bytes: int) -> list[range]:
     return [range(i, min(i + per, spec.num_layers)) for i in range(0, spec.num_layers, per)]
 
 
+def _runs(srcs: Sequence[torch.Tensor], nbytes: int) -> list[tuple[int, int, int]]:
+    """Maximal runs of sources at evenly spaced addresses: (first index, count, stride in bytes). Chunks of one
+    prompt usually sit in consecutive slab slots, so a run covers most of a load."""
+    ptrs = [s.data_ptr() for s in srcs]
+    runs: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(ptrs):
+        j, stride = i + 1, nbytes
+        if j < len(ptrs) and ptrs[j] - ptrs[i] >= nbytes:
+            stride = ptrs[j] - ptrs[i]
+            while j < len(ptrs) and ptrs[j] - ptrs[j - 1] == stride:
+                j += 1
+        runs.append((i, j - i, stride))
+        i = j
+    return runs
+
+
 def to_device(host_srcs: Sequence, spec: KVSpec, device: torch.device | str, *, min_copy_bytes: int = 8 * MiB,
-              stream: torch.cuda.Stream | None = None, out: torch.Tensor | None = None) -> LayerwiseLoad:
-    """Copy N host chunks (buffers of spec.chunk_bytes, page-locked for speed) to the device, layer group by layer
-    group: group g of every chunk is copied before group g+1 starts, so early layers complete first."""
+              stream: torch.cuda.Stream | None = None, out: torch.Tensor | None = None,
+              strided: bool | None = None) -> LayerwiseLoad:
+    """Copy N chunks (host buffers of spec.chunk_bytes, page-locked for speed; or device buffers on `device`) to
+    the device, layer group by layer group: group g of every chunk is copied before group g+1 starts, so early
+    layers complete first.
+
+    `strided` (default: where the CUDA runtime can be bound): a layer group of a run of evenly spaced sources
+    (`_runs`) moves as ONE strided copy (cudaMemcpy2DAsync: a row per chunk), so groups can be single layers
+    without paying a copy's fixed cost per chunk: the consumer of layer i then waits for layer i alone, and the
+    last layer's compute is all that is left once the copies end. Without it, a copy per chunk and group, groups
+    of at least `min_copy_bytes` per chunk."""
     device = torch.device(device)
     n = len(host_srcs)
     staging = out if out is not None else torch.empty((n, *spec.chunk_shape), dtype=spec.torch_dtype,
@@ -336,12 +371,22 @@ def to_device(host_srcs: Sequence, spec: KVSpec, device: torch.device | str, *, 
     flat = staging.view(n, -1).view(torch.uint8)
     srcs = [_as_bytes(b) for b in host_srcs]
     layer_bytes = spec.chunk_bytes // spec.num_layers
-    groups = layer_groups(spec, min_copy_bytes)
     if device.type != "cuda":
         t0 = time.perf_counter()
         for i, src in enumerate(srcs):
             flat[i].copy_(src[: spec.chunk_bytes])
         return LayerwiseLoad(staging, [None] * spec.num_layers, cpu_seconds=time.perf_counter() - t0)
+    runs = None
+    if strided is not False and all(not s.is_cuda or s.device == device for s in srcs):
+        from kvmesh.cudart import CudaError, cudart
+
+        try:
+            cudart()
+            runs = _runs(srcs, spec.chunk_bytes)
+        except CudaError:
+            runs = None
+    per_copy = min_copy_bytes if runs is None else max(1, min_copy_bytes * len(runs) // n)
+    groups = layer_groups(spec, per_copy)
     stream = stream or torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))  # staging may have been allocated on the compute stream
     staging.record_stream(stream)
@@ -351,10 +396,41 @@ def to_device(host_srcs: Sequence, spec: KVSpec, device: torch.device | str, *, 
         started.record(stream)
         for g in groups:
             a, b = g.start * layer_bytes, g.stop * layer_bytes
-            for i, src in enumerate(srcs):
-                flat[i, a:b].copy_(src[a:b], non_blocking=True)
+            for i0, count, stride in runs if runs is not None else [(i, 1, 0) for i in range(n)]:
+                if count > 1 and srcs[i0].is_cuda:  # device memory: one strided copy kernel (the copy engines
+                    copy_run(flat, i0, count, srcs[i0], stride, a, b)  # move 2-D device copies ~10x slower)
+                    continue
+                if count > 1 and _copy_2d(flat, i0, count, srcs[i0], stride, a, b, stream):
+                    continue
+                for i in range(i0, i0 + count):
+                    flat[i, a:b].copy_(srcs[i][a:b], non_blocking=True)
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(stream)
             for layer in g:
                 events[layer] = ev
     return LayerwiseLoad(staging, events, stream, srcs, started)
+
+
+def copy_run(flat: torch.Tensor, i0: int, count: int, src0: torch.Tensor, stride: int, a: int, b: int) -> None:
+    """Bytes [a, b) of `count` sources spaced `stride` bytes apart in one storage (starting at `src0`, a uint8
+    view) into rows i0.. of `flat`, as one torch copy over strided views (in 8-byte words where aligned)."""
+    w = b - a
+    unit = 8 if w % 8 == 0 and stride % 8 == 0 and a % 8 == 0 and flat.stride(0) % 8 == 0 \
+        and src0.storage_offset() % 8 == 0 and flat.storage_offset() % 8 == 0 else 1
+    dtype = torch.int64 if unit == 8 else torch.uint8
+    base = src0 if unit == 1 else src0[: src0.numel() // 8 * 8].view(dtype)
+    src = base.as_strided((count, w // unit), (stride // unit, 1), base.storage_offset() + a // unit)
+    dst = flat[i0:i0 + count, a:b]
+    (dst if unit == 1 else dst.view(dtype)).copy_(src, non_blocking=True)
+
+
+def _copy_2d(flat: torch.Tensor, i0: int, count: int, src0: torch.Tensor, stride: int, a: int, b: int,
+             stream) -> bool:
+    """Bytes [a, b) of `count` evenly spaced sources into rows i0.. of `flat`, as one strided copy."""
+    from kvmesh.cudart import CudaError, memcpy_2d_async
+
+    try:
+        return memcpy_2d_async(flat[i0].data_ptr() + a, flat.stride(0), src0.data_ptr() + a, stride, b - a, count,
+                               stream)
+    except CudaError:  # e.g. memory the runtime does not know: copy chunk by chunk instead
+        return False

@@ -11,6 +11,9 @@ layer. Codecs (both pure: they read their input and return a new tensor):
     HeadMajorCodec   vLLM's logical per-layer view [num_blocks, H, block_size, 2*D]: kv[b, h, t, :D] is token
                      t's K, kv[b, h, t, D:] its V. vLLM's GPU backends all present this view, whatever their
                      physical stride order, so the codec reads it through the tensor's strides.
+    SplitKVCodec     per-layer blocks [n, 2, block_size, H, D] (any strides): the 5-D layouts of vLLM's GPU backends
+                     before its KVCacheLayout descriptor (FlashAttention [2, num_blocks, bs, H, D], seen through
+                     a transposed view; FlashInfer [num_blocks, 2, bs, H, D]) and LMCache's formats of them.
     LearnedCodec     any fixed permutation of a contiguous block's elements, learned once by writing known K/V
                      through the engine's own cache-write kernel (`learn_codec`). vLLM's CPU backend needs it: its
                      ISA-specific kernels pack each block themselves (the AVX-512 "vec" kernel stores each head's K
@@ -50,6 +53,23 @@ class HeadMajorCodec:
         """[n, 2, bs, H, D] -> [n, H, bs, 2D], contiguous."""
         n = pieces.shape[0]
         return pieces.permute(0, 3, 2, 1, 4).reshape(n, *self.block_shape)
+
+
+@dataclass(frozen=True)
+class SplitKVCodec:
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def pieces(self, blocks: torch.Tensor) -> torch.Tensor:
+        return blocks  # [n, 2, bs, H, D] already
+
+    def blocks(self, pieces: torch.Tensor) -> torch.Tensor:
+        return pieces.contiguous()
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,44 @@ from kvmesh.integrations.vllm_loader import WAIT_SLACK_S, Load, Loader, SyncBatc
 
 IDLE_WAIT_S = 0.02  # at most this long per empty engine step, waiting for an asynchronous load to end
 from kvmesh.integrations.vllm_scheduler import SaveJob, StepMeta, WorkerReport
-from kvmesh.paged import HeadMajorCodec, gather_chunks, learn_codec
+from kvmesh.paged import HeadMajorCodec, SplitKVCodec, gather_chunks, learn_codec
 
 log = logging.getLogger("kvmesh.vllm")
+
+
+def _split_kv_view(name: str, t: torch.Tensor, s, bs: int) -> torch.Tensor:
+    """A 5-D per-layer cache as [num_blocks, 2, bs, H, D] (a view: writes through it land in vLLM's tensor)."""
+    piece = (bs, s.num_kv_heads, s.head_dim)
+    fa, fi = t.shape[0] == 2 and tuple(t.shape[2:]) == piece, t.shape[1] == 2 and tuple(t.shape[2:]) == piece
+    if t.dtype != s.torch_dtype or not (fa or fi):
+        raise ValueError(f"kvmesh vLLM connector: layer {name} has a {t.dtype} cache of shape {list(t.shape)}; "
+                         f"expected [2, blocks, {bs}, {s.num_kv_heads}, {s.head_dim}] or "
+                         f"[blocks, 2, {bs}, {s.num_kv_heads}, {s.head_dim}] {s.dtype}")
+    if fa and fi:
+        raise ValueError(f"kvmesh vLLM connector: layer {name} has 2 blocks: K/V-first or block-first is ambiguous")
+    return t.transpose(0, 1) if fa else t
+
+
+class _LayerDone(threading.Event):
+    """A synchronous load's layer-written signal. `set` (on the loader thread, after it queued the layer's writes)
+    also records a CUDA event on that thread's stream; `order_after` (on the forward's thread) makes the current
+    stream wait for it, so the attention of layer i is ordered after layer i's writes whatever streams the two
+    threads use, and after nothing else."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device, self.cuda_event = device, None
+
+    def set(self) -> None:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))  # the setting thread's stream: the loader's writes
+            self.cuda_event = ev
+        super().set()
+
+    def order_after(self) -> None:
+        if self.cuda_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.cuda_event)
 
 
 class WorkerSide:
@@ -99,6 +134,11 @@ class WorkerSide:
                              f"have a KV cache")
         layers = [kv_caches[n] for n in names]
         s, bs = self.spec, self.block_size
+        if layers[0].dim() == 5:  # vLLM before its KVCacheLayout descriptor: K and V apart (see kvmesh.paged)
+            self.layers, self.codec = [_split_kv_view(n, t, s, bs) for n, t in zip(names, layers)], \
+                SplitKVCodec(bs, s.num_kv_heads, s.head_dim)
+            self.layer_of = {n: i for i, n in enumerate(names)}
+            return
         shape = (s.num_kv_heads, bs, 2 * s.head_dim)
         for n, t in zip(names, layers):
             if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.dtype != s.torch_dtype:
@@ -141,7 +181,7 @@ class WorkerSide:
             if not ld.job.sync:
                 self.loader.submit(ld)
         if sync:
-            self._sync = SyncBatch(sync, [threading.Event() for _ in self.layers])
+            self._sync = SyncBatch(sync, [_LayerDone(self.layers[0].device) for _ in self.layers])
             self.loader.submit(self._sync)
 
     def wait_layer(self, name: str, meta: StepMeta | None) -> None:
@@ -151,6 +191,7 @@ class WorkerSide:
         i = self.layer_of.get(name)
         if batch is not None and i is not None:
             self._wait_batch(batch, batch.layer_done[i:i + 1])
+            batch.layer_done[i].order_after()  # the forward's stream waits for this layer's writes alone
 
     def end_step(self, meta: StepMeta) -> None:
         if self.background_copy and meta.saves:  # first: the scheduler keeps these requests' blocks for us
@@ -161,6 +202,8 @@ class WorkerSide:
         batch, self._sync = self._sync, None
         if batch is not None:
             self._wait_batch(batch, batch.layer_done)
+            for ev in batch.layer_done:  # layers the forward pass did not wait for (none, normally)
+                ev.order_after()
             for ld in batch.loads:  # a cancelled batch may have written some layers only: all of it failed
                 if batch.cancelled or ld.failed:
                     self.report_load(ld, async_done=False, blocks=None if batch.cancelled else ld.failed)
@@ -257,6 +300,10 @@ class WorkerSide:
         its end, in one step (vLLM requires the errors no later than the end)."""
         job = ld.job
         failed = list(job.block_ids[job.skip_blocks:job.fill_blocks]) if blocks is None else blocks
+        if async_done and self.layers and self.layers[0].is_cuda:
+            # the loader's writes are queued on its thread's stream: vLLM may run the request's next forward on
+            # any stream once it hears of the end, so they must have landed by then
+            torch.cuda.current_stream(self.layers[0].device).synchronize()
         with self.mu:
             self._errors.update(failed)
             if failed:
@@ -310,11 +357,13 @@ class WorkerSide:
         self.loader.close()
         self._saves_q.put(None)
         self._saver.join(timeout=10)
-        import ray
-
+        try:
+            import ray
+        except ImportError:  # a worker driven without Ray (the GPU machine's tests)
+            ray = None
         for c in self._clients.values():
             try:
-                if ray.is_initialized():  # at interpreter exit Ray may be gone already
+                if ray is not None and ray.is_initialized():  # at interpreter exit Ray may be gone already
                     c.flush(timeout_s=5)
             finally:
                 c.close()

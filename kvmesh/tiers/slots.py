@@ -10,6 +10,7 @@ Primitives (the owner calls them under its own lock; none block on I/O):
     pin(keys) -> list[int]                                     mutates: pins the leading run of readable keys
     unpin(slots)                                               mutates
     verify(slot) -> bool                                       pure: checksum of the slot's bytes matches
+    host_checksum(slot, host_bytes) -> int | None              pure: the xxh3 a host copy of the chunk carries
     discard(key)                                               mutates: forget a chunk (freed once unpinned)
     check_integrity()                                          pure: raises AssertionError on broken invariants
 
@@ -181,6 +182,10 @@ class SlotPool:
     def checksum_of(self, slot: int) -> int:
         """Checksum of the chunk's bytes as they are in the slot now."""
         raise NotImplementedError
+
+    def host_checksum(self, slot: int, host_bytes) -> int | None:
+        """The xxh3 a host copy of the chunk carries (GpuTier: computed for chunks that came from a GPU)."""
+        return self._slots[slot].checksum
 
     def discard(self, key: bytes) -> bool:
         i = self._by_key.get(key)

@@ -97,3 +97,28 @@ def test_a_load_and_a_store_together_round_trip():
     assert load_and_store_paged((stored, spec, dst, table), (src, other, out), batch_chunks=1) == (None, None)
     assert torch.equal(gather_paged(dst, table), gather_paged(src, table))
     assert [bytes(b) for b in out] == [gather_paged(src, other)[i].numpy().tobytes() for i in range(2)]
+
+
+def test_runs_group_evenly_spaced_sources_for_one_strided_copy_each():
+    from kvmesh.movers import _runs
+
+    slab = torch.zeros(12 * 64, dtype=torch.uint8)
+    srcs = [slab[i * 64:(i + 1) * 64] for i in (0, 1, 2, 3, 5, 7, 9, 8, 4)]
+    assert _runs(srcs, 64) == [(0, 4, 64), (4, 3, 128), (7, 1, 64), (8, 1, 64)]
+    assert _runs([], 64) == [] and _runs(srcs[:1], 64) == [(0, 1, 64)]
+
+
+def test_a_run_of_device_sources_moves_as_one_strided_copy():
+    from kvmesh.movers import copy_run
+
+    pool = torch.arange(16 * 64, dtype=torch.int64).view(torch.uint8)  # 16 slots of 512 bytes
+    slot = 512
+    flat = torch.zeros(3, slot, dtype=torch.uint8)
+    for a, b, start in ((0, 512, 0), (64, 200, 8), (3, 101, 16)):  # word-aligned and not
+        flat.zero_()
+        src0 = pool[start * 8:start * 8 + slot]
+        copy_run(flat, 0, 3, src0, 2 * slot, a, b)
+        for r in range(3):
+            off = start * 8 + r * 2 * slot
+            assert torch.equal(flat[r, a:b], pool[off + a:off + b])
+            assert not bool(flat[r, :a].any()) and not bool(flat[r, b:].any())

@@ -1,0 +1,153 @@
+"""Device checksum: a position-weighted sum over a chunk's bytes, computed with torch ops where the bytes are (on
+the GPU for GPU-tier chunks; the same function runs on CPU tensors, bit for bit).
+
+    device_checksum(buf) -> 0-d int64 tensor       pure; asynchronous on CUDA (queued on the current stream)
+    device_checksums(bufs) -> int64 tensor [n]     pure; one result per buffer
+    reference_checksum(data) -> int                pure Python/numpy, the definition (tests compare against it)
+    Coefficients                                   a per-(device, words) cache of the constants (owned by a tier or
+                                                   a mapper; no module-level state)
+    Verify(expected, sums, event).result() -> bool  a `LayerwiseLoad.checks` entry: waits for the sums, compares
+
+Definition (written down once). View the bytes as little-endian int32 words w_0..w_{n-1} (a tail of 1-3 bytes is
+zero-padded into one more word). With the odd constants c_i = ((i * 0x9E3779B1 + 0x632BE5AB) mod 2^31) | 1:
+
+    S = sum_i  int32(w_i * c_i mod 2^32)        the products wrap to signed 32 bits; the sum is exact in int64
+
+The sum cannot overflow: each term is in [-2^31, 2^31) and a chunk holds far fewer than 2^32 words (|S| < 2^63).
+
+Why any single changed byte is detected (and, more generally, any change confined to one 4-byte word): let word
+i change from w to w' != w (mod 2^32). c_i is odd, so it is invertible mod 2^32 and w*c_i != w'*c_i (mod 2^32):
+the wrapped products p, p' differ as int32 values. Every other term is unchanged and S is exact, so S changes by
+p' - p, a non-zero integer. Hence S' != S. (Changes spread over several words are caught with probability about
+1 - 2^-32, like any 32-bit check; a corrupt GPU-tier chunk is one bad DMA or one flipped cell, i.e. one word.)
+
+Cost: one read of the chunk and of the constants, one int32 product written and read back, one int64 reduction:
+about 4 bytes of memory traffic per chunk byte, a few ms for 4 GiB on an H200, on a side stream.
+
+Which checksum is checked where (a GPU-tier chunk may carry both):
+- xxh3-64 (`kvmesh.tiers.checksum`): over host bytes. Computed by the writer of host bytes, verified whenever a
+  chunk's host bytes cross a process, node or disk boundary (slab reads, peer pulls, disk reads).
+- device checksum (this module): over device bytes. Computed by the GPU tier when a chunk is placed in it (from
+  the host: after the H2D copy, so it covers the bytes as they sit in the pool; from an engine's GPU: by the
+  writer, over the bytes it wrote into the pool), and verified by a reader of a GPU-tier chunk over the bytes it
+  received in its own device buffer (D2D or peer-to-peer, no host copy). A chunk leaving the GPU tier for the host
+  (demotion, a host reader) keeps the xxh3 it entered with; one that entered from a GPU has its device checksum
+  verified on the GPU first and its xxh3 computed over the host copy (`GpuTier.host_checksum`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+_MUL, _ADD = 0x9E3779B1, 0x632BE5AB
+
+
+def _constants(n: int, device) -> torch.Tensor:
+    i = torch.arange(n, dtype=torch.int64, device=device)
+    return (((i * _MUL + _ADD) & 0x7FFFFFFF) | 1).to(torch.int32)
+
+
+class Coefficients:
+    """The constants c_i for buffers of up to `n` words, per device (grown on demand, shared by every buffer)."""
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, n: int, device: torch.device) -> torch.Tensor:
+        c = self._by_device.get(device)
+        if c is None or c.numel() < n:
+            c = self._by_device[device] = _constants(max(n, 2 * c.numel() if c is not None else 0), device)
+        return c[:n]
+
+
+def _words(buf: torch.Tensor) -> torch.Tensor:
+    """The bytes of `buf` as int32 words (a view where the size and alignment allow, else a padded copy)."""
+    b = buf.reshape(-1).view(torch.uint8) if buf.dtype != torch.uint8 else buf.reshape(-1)
+    n = b.numel()
+    if n % 4 == 0 and b.storage_offset() % 4 == 0:
+        try:
+            return b.view(torch.int32)
+        except RuntimeError:  # a storage whose base is not 4-byte aligned
+            pass
+    padded = torch.zeros(-(-n // 4) * 4, dtype=torch.uint8, device=b.device)
+    padded[:n] = b
+    return padded.view(torch.int32)
+
+
+def device_checksum(buf: torch.Tensor, coefficients: Coefficients | None = None) -> torch.Tensor:
+    """S (see the module docstring) of `buf`'s bytes, as a 0-d int64 tensor on `buf`'s device. On CUDA the work
+    is queued on the current stream; read the value with `int()` (which waits) or compare it on the device."""
+    w = _words(buf)
+    c = (coefficients or Coefficients()).get(w.numel(), w.device)
+    return torch.mul(w, c).sum(dtype=torch.int64)
+
+
+def device_checksums(bufs: Sequence[torch.Tensor], coefficients: Coefficients | None = None) -> torch.Tensor:
+    """S of each buffer, as an int64 tensor [len(bufs)] on the buffers' device (all on one device)."""
+    coefficients = coefficients or Coefficients()
+    if not bufs:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack([device_checksum(b, coefficients) for b in bufs])
+
+
+def reference_checksum(data) -> int:
+    """The definition, in numpy (bytes-like in): what `device_checksum` must return."""
+    b = np.frombuffer(bytes(data), dtype=np.uint8)
+    pad = (-len(b)) % 4
+    if pad:
+        b = np.concatenate([b, np.zeros(pad, dtype=np.uint8)])
+    w = b.view("<u4").astype(np.uint64)
+    i = np.arange(len(w), dtype=np.uint64)
+    c = ((i * np.uint64(_MUL) + np.uint64(_ADD)) & np.uint64(0x7FFFFFFF)) | np.uint64(1)
+    p = (w * c) & np.uint64(0xFFFFFFFF)  # w < 2^32 and c < 2^31: the product fits in 64 bits
+    signed = p.astype(np.int64) - (p >= 2**31).astype(np.int64) * 2**32
+    return int(signed.sum())
+
+
+class Verify:
+    """One entry of `LayerwiseLoad.checks`: `result()` waits for `sums` (queued after `event` on a side stream)
+    and says whether every one equals `expected` (the checksums the tier recorded)."""
+
+    def __init__(self, sums: torch.Tensor, expected: Sequence[int], event=None) -> None:
+        self.sums, self.expected, self.event = sums, [int(x) for x in expected], event
+        self._ok: list[bool] | None = None
+
+    def per_chunk(self) -> list[bool]:
+        if self._ok is None:
+            if self.event is not None:
+                self.event.synchronize()
+            got = self.sums.cpu().tolist()
+            self._ok = [g == e for g, e in zip(got, self.expected)]
+        return self._ok
+
+    def result(self) -> bool:
+        return all(self.per_chunk())
+
+    def good_prefix(self) -> int:
+        """How many leading chunks matched (a fetch truncates at the first failed chunk)."""
+        ok = self.per_chunk()
+        return next((i for i, g in enumerate(ok) if not g), len(ok))
+
+
+def verify_on_side_stream(dsts: Sequence[torch.Tensor], expected: Sequence[int], after=None,
+                          coefficients: Coefficients | None = None) -> Verify:
+    """Checksum `dsts` off the critical path: on CUDA, on a new side stream that first waits for `after` (a CUDA
+    event, e.g. the end of the copies into `dsts`); on the CPU, at once. Returns the pending `Verify`."""
+    if not dsts or not dsts[0].is_cuda:
+        return Verify(device_checksums(dsts, coefficients), expected)
+    device = dsts[0].device
+    stream = torch.cuda.Stream(device=device)
+    if after is not None:
+        stream.wait_event(after)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        sums = device_checksums(dsts, coefficients)
+        done = torch.cuda.Event()
+        done.record(stream)
+    for d in dsts:
+        d.record_stream(stream)  # the caching allocator must not reuse a destination before the sums read it
+    return Verify(sums, expected, done)

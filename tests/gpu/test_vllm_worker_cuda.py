@@ -1,0 +1,258 @@
+"""The vLLM connector's worker half on real CUDA tensors, without vLLM (it cannot be installed on the GPU machine):
+the block layouts vLLM's GPU backends allocate, saved then loaded bit-exact; the background save on a side stream
+never stalls the compute stream; a synchronous load lets layer i's consumer wait for layer i alone.
+
+The two vLLM names the worker imports are stubbed when vLLM is absent; the client is a stand-in holding chunks in
+a dict (the worker's own logic, streams and layouts are what is under test). Skipped without a GPU."""
+
+import hashlib
+import sys
+import threading
+import time
+import types
+from collections import Counter
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_names():
+    """Stand-ins for the two vLLM modules the worker imports, while this module's tests run (vLLM itself when it
+    is installed); the connector modules imported against them are forgotten afterwards."""
+    try:
+        import vllm  # noqa: F401
+        stubbed = []
+    except ImportError:
+        stubbed = _install_stubs()
+    from kvmesh.integrations import vllm_options, vllm_scheduler, vllm_worker
+
+    g = globals()
+    g.update(WorkerSide=vllm_worker.WorkerSide, LoadJob=vllm_scheduler.LoadJob, SaveJob=vllm_scheduler.SaveJob,
+             StepMeta=vllm_scheduler.StepMeta, ConnectorOptions=vllm_options.ConnectorOptions)
+    yield
+    for name in stubbed + (["kvmesh.integrations.vllm_worker", "kvmesh.integrations.vllm_loader",
+                            "kvmesh.integrations.vllm_scheduler"] if stubbed else []):
+        sys.modules.pop(name, None)
+
+
+def _install_stubs() -> list[str]:
+    class KVConnectorMetadata:
+        pass
+
+    class KVConnectorWorkerMetadata:
+        pass
+
+    names = ["vllm", "vllm.model_executor", "vllm.model_executor.models", "vllm.distributed",
+             "vllm.distributed.kv_transfer", "vllm.distributed.kv_transfer.kv_connector",
+             "vllm.distributed.kv_transfer.kv_connector.v1"]
+    for name in names:
+        sys.modules[name] = types.ModuleType(name)
+    utils = types.ModuleType("vllm.model_executor.models.utils")
+    utils.extract_layer_index = lambda n: int(n.split(".")[2])
+    base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    base.KVConnectorMetadata, base.KVConnectorWorkerMetadata = KVConnectorMetadata, KVConnectorWorkerMetadata
+    sys.modules[utils.__name__], sys.modules[base.__name__] = utils, base
+    return names + [utils.__name__, base.__name__]
+
+
+from kvmesh import KVSpec  # noqa: E402
+
+L, H, D, BS, C = 4, 2, 64, 16, 64  # 4 blocks per chunk
+SPEC = KVSpec("vllm-cuda", L, H, D, "bfloat16", chunk_tokens=C)
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+NB = 96
+
+
+class Client:
+    """Chunks by hash in a dict, on the CPU (what the worker hands to and asks of `KVMeshClient`)."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[bytes, torch.Tensor] = {}
+        self.counts: Counter = Counter()
+        self.config = NS(fetch_timeout_s=10.0)
+        self.node_id = "me"
+        self.stored_at: list[float] = []
+        self.last_fetch = None
+
+    def hashes(self, toks, salt=None):
+        toks = np.asarray(toks, dtype="<u4")
+        return [hashlib.blake2b(toks[:(i + 1) * C].tobytes(), digest_size=16).digest() for i in range(len(toks) // C)]
+
+    def store_keys(self, group, keys, staging):
+        for k, t in zip(keys, staging):
+            self.chunks[k] = t.clone()
+        self.stored_at.append(time.perf_counter())
+        return len(keys)
+
+    def lookup_keys(self, group, keys):
+        n = next((i for i, k in enumerate(keys) if k not in self.chunks), len(keys))
+        return NS(num_chunks=n, keys=keys[:n], chunks=[])
+
+    def fetch(self, match, out, deadline_s=None):
+        for i, k in enumerate(match.keys):
+            out[:, :, i * C:(i + 1) * C] = self.chunks[k]
+        self.last_fetch = NS(local_chunks=match.num_chunks, peer_chunks=0, seconds=0.0, error="")
+        return out[:, :, :match.num_chunks * C]
+
+    def flush(self, timeout_s=None):
+        pass
+
+    def close(self):
+        pass
+
+
+# vLLM's per-layer caches, each as (allocate, block view): `make(g)` returns the tensors vLLM would hand over,
+# `block(t, b)` reads block b of one of them in its own layout (for the comparisons)
+def _logical(phys):  # [NB, bs, H, 2D] memory -> vLLM's logical [NB, H, bs, 2D] view (NHD order)
+    return phys.permute(0, 2, 1, 3)
+
+
+LAYOUTS = {
+    # vLLM 0.32 (KVCacheLayout): logical [blocks, H, bs, 2D] per layer over each backend's physical order
+    "flash_attn_LBNHC": (lambda g: [_logical(torch.randn(NB, BS, H, 2 * D, generator=g).to(torch.bfloat16).cuda())
+                                    for _ in range(L)], lambda t, b: t[b]),
+    "flashinfer_LBHNC": (lambda g: [torch.randn(NB, H, BS, 2 * D, generator=g).to(torch.bfloat16).cuda()
+                                    for _ in range(L)], lambda t, b: t[b]),
+    # cross-layer stacked (one allocation [blocks, layers, bs, H, 2D]); vLLM hands over per-layer views of it
+    "cross_layer_BLNHC": (lambda g: (lambda a: [_logical(a[:, i]) for i in range(L)])(
+        torch.randn(NB, L, BS, H, 2 * D, generator=g).to(torch.bfloat16).cuda()), lambda t, b: t[b]),
+    # vLLM's 5-D layouts before KVCacheLayout (and LMCache's NL_X_TWO_NB_BS_NH_HS / NL_X_NB_TWO_BS_NH_HS)
+    "flash_attn_2_NB_BS_H_D": (lambda g: [torch.randn(2, NB, BS, H, D, generator=g).to(torch.bfloat16).cuda()
+                                          for _ in range(L)], lambda t, b: t[:, b]),
+    "flashinfer_NB_2_BS_H_D": (lambda g: [torch.randn(NB, 2, BS, H, D, generator=g).to(torch.bfloat16).cuda()
+                                          for _ in range(L)], lambda t, b: t[b]),
+}
+
+
+def worker(client, layers):
+    w = WorkerSide(SPEC, lambda spec: client, ConnectorOptions(), BS, "kv_both", NAMES, background_copy=True)
+    w.register(dict(zip(NAMES, layers)))
+    return w
+
+
+def wait_for(cond, timeout=20.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def tokens(n_chunks, seed=0):
+    return np.random.default_rng(seed).integers(0, 1 << 20, n_chunks * C).astype("<u4")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_save_then_load_is_bit_exact_in_each_gpu_layout(layout):
+    make, block = LAYOUTS[layout]
+    g = torch.Generator().manual_seed(1)
+    client = Client()
+    src = make(g)
+    toks = tokens(3)
+    save_ids = torch.randperm(NB, generator=g)[:12].tolist()
+    w = worker(client, src)
+    try:
+        meta = StepMeta(saves=[SaveJob("r1", toks.tobytes(), 0, 3, save_ids, None, None)])
+        w.begin_step(meta)
+        w.end_step(meta)
+        wait_for(lambda: len(client.chunks) == 3)
+        assert w.counts["vllm_saved_chunks"] == 3
+    finally:
+        w.close()
+    dst = [torch.zeros_like(t) for t in make(torch.Generator().manual_seed(2))]  # same layout, zeroed
+    load_ids = torch.randperm(NB, generator=g)[:12].tolist()
+    w2 = worker(client, dst)
+    try:
+        # vLLM already has the first block (its own prefix cache): skip_blocks=1 leaves it alone
+        meta = StepMeta(loads=[LoadJob("r2", toks.tobytes(), 0, 3, load_ids, 1, 12, None, None, sync=False)])
+        w2.start_loads(meta)
+        done = set()
+        wait_for(lambda: done.update(w2.finished(set())[1] or ()) or "r2" in done)
+        assert w2.load_errors() == set()
+        torch.cuda.synchronize()
+        for i in range(L):
+            assert not bool(block(dst[i], load_ids[0]).ne(0).any()), "a skipped block was written"
+            for s, d in zip(save_ids[1:], load_ids[1:]):
+                assert torch.equal(block(dst[i], d), block(src[i], s)), f"layer {i} block {s}->{d}"
+    finally:
+        w2.close()
+
+
+def test_the_background_save_never_stalls_the_compute_stream():
+    make, block = LAYOUTS["flash_attn_LBNHC"]
+    client = Client()
+    layers = make(torch.Generator().manual_seed(3))
+    toks = tokens(8, seed=3)
+    ids = list(range(32))
+    w = worker(client, layers)
+    try:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(1e9))  # the step's kernels are still running when vLLM ends the step (~0.5 s)
+        layers[0][ids[5]].fill_(7)  # ... and the last of them writes a block that the save must see
+        t0 = time.perf_counter()
+        meta = StepMeta(saves=[SaveJob("r", toks.tobytes(), 0, 8, ids, None, None)])
+        w.end_step(meta)
+        returned = time.perf_counter() - t0
+        marker = torch.cuda.Event()
+        marker.record()  # the compute stream's next work: behind the step, not behind the save's copies
+        assert returned < 0.05, returned
+        assert not marker.query()  # the step's kernels are still running: end_step did not wait for them
+        marker.synchronize()
+        wait_for(lambda: len(client.chunks) == 8)
+        saved = client.chunks[client.hashes(toks)[1]]  # chunk 1 holds block ids[5] as its second block
+        assert bool(saved[0, :, BS:2 * BS].eq(7).all())
+    finally:
+        w.close()
+
+
+def test_a_synchronous_load_lets_layer_i_wait_for_layer_i_alone():
+    make, block = LAYOUTS["flashinfer_LBHNC"]
+    client = Client()
+    src = make(torch.Generator().manual_seed(4))
+    toks = tokens(2, seed=4)
+    save_ids, load_ids = list(range(8)), list(range(40, 48))
+    w = worker(client, src)
+    meta = StepMeta(saves=[SaveJob("r1", toks.tobytes(), 0, 2, save_ids, None, None)])
+    w.end_step(meta)
+    wait_for(lambda: len(client.chunks) == 2)
+    w.close()
+    dst = [torch.zeros_like(t) for t in src]
+    w2 = worker(client, dst)
+    real_write = w2.loader._write
+    gate = threading.Event()
+
+    def slow_write(ld, layers):
+        if layers.start >= 1:
+            gate.wait(10)  # layers 1.. are written only once the test has checked layer 0
+        torch.cuda._sleep(int(1e8))  # the loader's stream is slow: its writes land well after they are queued
+        real_write(ld, layers)
+    w2.loader._write = slow_write
+    try:
+        compute = torch.cuda.Stream()  # the forward pass's stream, not the loader thread's
+        meta = StepMeta(loads=[LoadJob("r2", toks.tobytes(), 0, 2, load_ids, 0, 8, None, None, sync=True)])
+        w2.start_loads(meta)
+        batch = w2._sync
+        with torch.cuda.stream(compute):
+            w2.wait_layer(NAMES[0], meta)
+            seen0 = torch.stack([block(dst[0], b) for b in load_ids])  # layer 0's "attention"
+        assert not batch.layer_done[1].is_set()  # layer 0 went ahead while layer 1 was not even written
+        compute.synchronize()
+        assert torch.equal(seen0, torch.stack([block(src[0], b) for b in save_ids]))  # ordered after its writes
+        gate.set()
+        with torch.cuda.stream(compute):
+            seen = [seen0]
+            for i in range(1, L):
+                w2.wait_layer(NAMES[i], meta)
+                seen.append(torch.stack([block(dst[i], b) for b in load_ids]))
+        w2.end_step(meta)
+        compute.synchronize()
+        for i in range(L):
+            assert torch.equal(seen[i], torch.stack([block(src[i], b) for b in save_ids])), f"layer {i}"
+        assert w2.load_errors() == set()
+    finally:
+        gate.set()
+        w2.close()

@@ -199,7 +199,7 @@ def flip_bit(config: KVMeshConfig, node_id: str, key: bytes, offset: int, bit: i
     from kvmesh.wire import pack_keys, unpack_pin_reply
 
     actor = _actors()[node_id]
-    pin_id, rows, path = unpack_pin_reply(ray.get(actor.pin.remote(pack_keys([key]))))
+    pin_id, rows, path, _ = unpack_pin_reply(ray.get(actor.pin.remote(pack_keys([key]))))
     ray.get(actor.unpin.remote(pin_id))
     if not rows:
         return False

@@ -38,6 +38,7 @@ import torch
 from kvmesh.config import KVMeshConfig
 from kvmesh.cost import CostModel, LinkModel, LoadPlan, measure_memcpy_bps
 from kvmesh.dataplane.fetcher import Fetcher, FetchOptions
+from kvmesh.dataplane.gpureads import GpuReads
 from kvmesh.dataplane.sinks import DeviceSink, HostSink
 from kvmesh.dataplane.sources import Env
 from kvmesh.directory import Directory, Holder
@@ -66,10 +67,11 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 class KVMeshClient:
     def __init__(self, spec: KVSpec, config: KVMeshConfig, node_id: str | None, local=None,
                  local_slab: tuple[str, int, int] | None = None, cache_salt: str | bytes | None = None,
-                 peers=None) -> None:
+                 peers=None, gpu_exports: tuple[bytes, ...] = ()) -> None:
         """`local`: a handle of this node's KVNode (`handle.NodeHandle`, or `LocalHandle` without Ray);
         `local_slab`: its slab (path, bytes, slot bytes); `peers`: node id -> handle of another node's KVNode
-        (default: found through Ray)."""
+        (default: found through Ray); `gpu_exports`: its GPU tier's pools, read device to device where CUDA IPC
+        works here."""
         self.spec = spec
         self.config = config
         self.node_id = node_id
@@ -94,7 +96,7 @@ class KVMeshClient:
         self._data = DataClient()
         self.fetcher = Fetcher(Env(node_id or "", local, self._slab,
                                    local_slab[2] if local_slab else 0, self._peer, self.view, self._data,
-                                   self._pool, self._reattach_local))
+                                   self._pool, self._reattach_local, GpuReads.open(gpu_exports)))
         self.stores = StoreQueue(spec, local, self.counts) if local is not None else None
         self._scratch: torch.Tensor | None = None
         self._seen: dict[bytes, tuple[bool, float]] = {}  # chunk hash -> (cached, when) as a recent lookup saw it
@@ -322,6 +324,7 @@ class KVMeshClient:
         """Metrics at the edge: counters, the live page's events, the cost model's link observations."""
         cb, got, n = self.spec.chunk_bytes, st.chunks, match.num_chunks
         self.counts["fetched_chunks_local"] += st.local_chunks
+        self.counts["fetched_chunks_gpu_tier_d2d"] += st.gpu_chunks
         self.counts["fetched_chunks_peer"] += st.peer_chunks
         self.counts["fetched_bytes_local"] += st.local_chunks * cb
         self.counts["fetched_bytes_peer"] += st.peer_chunks * cb
@@ -388,11 +391,14 @@ class KVMeshClient:
             hello = self._local.hello(timeout=5)
         except Exception:
             return
-        old = self._slab
+        old, env = self._slab, self.fetcher.env
         self._slab = SlabReader.open(hello.info.slab_path, hello.info.slab_bytes)
-        self.fetcher.env.slab, self.fetcher.env.slot_bytes = self._slab, hello.info.slot_bytes
+        env.slab, env.slot_bytes = self._slab, hello.info.slot_bytes
         if old is not None:
             old.close()
+        if env.gpu is not None:
+            env.gpu.close()
+        env.gpu = GpuReads.open(hello.gpu_exports)  # a restarted node has new pools
 
     # -- store --------------------------------------------------------------------------------------------------
     def store(self, tokens, kv: torch.Tensor, cache_salt: str | bytes | None = None) -> int:
@@ -503,6 +509,8 @@ class KVMeshClient:
             self._slab.close()
             self._slab = None
         self._data.close()
+        if self.fetcher.env.gpu is not None:
+            self.fetcher.env.gpu.close()
         self._pool.shutdown(wait=False)
         self._verify_pool.shutdown(wait=False)
         self.directory.close()
@@ -578,7 +586,8 @@ def connect(spec: KVSpec, redis_url: str | None = None, *, cache_salt: str | byt
         raise RuntimeError("no KVNode runs on this Ray node (call kvmesh.start first) and no redis_url was given")
     cfg = _resolve(spec, hello.config if hello else KVMeshConfig(), redis_url, config, options)
     slab = (hello.info.slab_path, hello.info.slab_bytes, hello.info.slot_bytes) if hello else None
-    return KVMeshClient(spec, cfg, node_id, local, slab, cache_salt)
+    return KVMeshClient(spec, cfg, node_id, local, slab, cache_salt,
+                        gpu_exports=hello.gpu_exports if hello else ())
 
 
 def connect_local(spec: KVSpec, node, *, peers=(), cache_salt: str | bytes | None = None, **options) -> KVMeshClient:
@@ -591,4 +600,4 @@ def connect_local(spec: KVSpec, node, *, peers=(), cache_salt: str | bytes | Non
     others = {p.node_id: LocalHandle(p, node.node_id) for p in peers}
     info = node.info
     return KVMeshClient(spec, cfg, node.node_id, local, (info.slab_path, info.slab_bytes, info.slot_bytes),
-                        cache_salt, peers=others.get)
+                        cache_salt, peers=others.get, gpu_exports=node.hello().gpu_exports)

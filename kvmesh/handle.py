@@ -38,7 +38,8 @@ import numpy as np
 from kvmesh.config import KVMeshConfig
 from kvmesh.wire import (NodeInfo, PinnedChunk, PullThrough, StoreItem, WireError, pack_chunk_header, pack_keys,
                          pack_pin_reply, pack_pull_through, pack_store, unpack_chunk_header, unpack_keys,
-                         unpack_pin_reply, unpack_pull_through, unpack_request, unpack_store)
+                         unpack_pin_reply, unpack_pin_request, unpack_pull_through, unpack_request,
+                         unpack_store)
 
 NAMESPACE = "kvmesh"
 ACTOR_PREFIX = "kvnode-"
@@ -57,14 +58,18 @@ class NodeCallError(ConnectionError):
 class NodeHello:
     info: NodeInfo
     config: KVMeshConfig
+    gpu_exports: tuple[bytes, ...] = ()  # the GPU tier's pools (tiers.gpu_ipc.PoolExport, packed), for CUDA IPC
 
     def pack(self) -> bytes:
-        return msgpack.packb([1, self.info.pack(), self.info.incarnation, self.config.to_dict()], use_bin_type=True)
+        return msgpack.packb([1, self.info.pack(), self.info.incarnation, self.config.to_dict(),
+                              list(self.gpu_exports)], use_bin_type=True)
 
     @classmethod
     def unpack(cls, data: bytes) -> "NodeHello":
-        _v, info, inc, cfg = msgpack.unpackb(data, raw=False)[:4]
-        return cls(NodeInfo.unpack(info, inc), KVMeshConfig(**cfg))
+        o = msgpack.unpackb(data, raw=False)
+        _v, info, inc, cfg = o[:4]
+        exports = tuple(e for e in o[4] if isinstance(e, bytes)) if len(o) > 4 and isinstance(o[4], list) else ()
+        return cls(NodeInfo.unpack(info, inc), KVMeshConfig(**cfg), exports)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +78,10 @@ class Pinned:
     (or the node's pin TTL). `chunks[i]` is the i-th key asked for."""
 
     pin_id: int
-    chunks: list[PinnedChunk]
+    chunks: list[PinnedChunk]  # in the CPU slab, for the keys after the GPU-tier ones
     slab_path: str  # the slab the slots index (a restarted node has a new one)
+    gpu: list[PinnedChunk] = ()  # the leading keys pinned in the GPU tier (asked with gpu=True); checksum = the
+    # device checksum recorded when the chunk was placed (tiers.devsum)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,8 +250,8 @@ class NodeHandle:
     def hello(self, timeout: float = 30.0) -> NodeHello:
         return self._call("hello", NodeHello.unpack).result(timeout)
 
-    def pin(self, keys: list[bytes]) -> Pending[Pinned]:
-        return self._call("pin", _pinned, pack_keys(keys, self.requester))
+    def pin(self, keys: list[bytes], gpu: bool = False) -> Pending[Pinned]:
+        return self._call("pin", _pinned, pack_keys(keys, self.requester, gpu))
 
     def unpin(self, pin_id: int) -> None:
         self._call("unpin", lambda r: r, pin_id)
@@ -282,8 +289,8 @@ class LocalHandle:
     def hello(self, timeout: float = 30.0) -> NodeHello:
         return self._live().hello()
 
-    def pin(self, keys: list[bytes]) -> Pending[Pinned]:
-        return Done.of(lambda: self._live().pin(keys, self.requester))
+    def pin(self, keys: list[bytes], gpu: bool = False) -> Pending[Pinned]:
+        return Done.of(lambda: self._live().pin(keys, self.requester, gpu))
 
     def unpin(self, pin_id: int) -> None:
         if not getattr(self.node, "_closed", False):
@@ -327,9 +334,9 @@ class KVNodeActor:
         return self.node.hello().pack()
 
     def pin(self, request: bytes) -> bytes:
-        keys, requester = unpack_request(request, "PinRequest")
-        p = self.node.pin(keys, requester)
-        return pack_pin_reply(p.pin_id, p.chunks, p.slab_path)
+        keys, requester, gpu = unpack_pin_request(request)
+        p = self.node.pin(keys, requester, gpu)
+        return pack_pin_reply(p.pin_id, p.chunks, p.slab_path, p.gpu)
 
     def unpin(self, pin_id: int) -> None:
         if isinstance(pin_id, bool) or not isinstance(pin_id, int):

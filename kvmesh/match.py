@@ -75,6 +75,7 @@ class FetchStats:
     asked: int = 0  # chunks in the match
     corrupt: int = 0  # chunks that failed their checksum (reported to their holder)
     runs: tuple[RunStats, ...] = ()
+    gpu_chunks: int = 0  # of the local chunks, those read device to device from the node's GPU tier (CUDA IPC)
 
     @property
     def chunks(self) -> int:

@@ -142,6 +142,7 @@ class KVNode:
             self.tier.close()
             raise
         self.janitor.purge_later([self.registrar.lease.previous])
+        self._gpu_exports = self._export_gpu()
         self.view = NodeView(self.directory.node_table, 5.0, cfg.node_refresh_s)  # peers, for pull-throughs
         self.peers = lambda node: NodeHandle.find(node, self.node_id)  # a peer's KVNode (without Ray: none)
         self._peers = DataClient()  # this node's connections to peers' DataServers
@@ -179,6 +180,21 @@ class KVNode:
 
         return GpuTier(cfg.gpu_bytes // cfg.slot_bytes, cfg.slot_bytes, cfg.gpu_device)
 
+    def _export_gpu(self) -> tuple[bytes, ...]:
+        """The GPU tier's pools for same-node readers (CUDA IPC); none where the tier is absent, on a CPU stand-in
+        device, or IPC is not possible here (readers then get GPU-tier chunks through the slab)."""
+        gpu = self.cascade.gpu
+        if gpu is None:
+            return ()
+        from kvmesh.tiers.gpu_ipc import GpuIpcError
+
+        try:  # the node id, not the incarnation, names the pools: a re-join keeps them (they are the same memory)
+            return tuple(e.pack() for e in gpu.exports(self.node_id, self.info.slab_path))
+        except GpuIpcError as e:
+            log.info("KVNode %s: GPU tier not exported (%s): readers get its chunks through the slab",
+                     self.node_id[:8], e.reason)
+            return ()
+
     @property
     def _lease_ms(self) -> int:
         return int(self.config.lease_s * 1000)
@@ -193,19 +209,33 @@ class KVNode:
 
     # -- same-node readers ---------------------------------------------------------------------------------------
     def hello(self) -> NodeHello:
-        return NodeHello(self.info.with_incarnation(self.lease.incarnation), self.config)
+        return NodeHello(self.info.with_incarnation(self.lease.incarnation), self.config, self._gpu_exports)
 
-    def pin(self, keys: list[bytes], requester: str = "") -> Pinned:
-        slots = self._pin_host(keys)
+    def pin(self, keys: list[bytes], requester: str = "", gpu: bool = False) -> Pinned:
+        """`gpu`: the reader maps this node's GPU pools (CUDA IPC): the leading keys held in the GPU tier are pinned
+        there and read device to device, the rest in the slab (brought into it from the other tiers)."""
+        on_gpu = self._pin_gpu(keys) if gpu else []
+        slots = self._pin_host(keys[len(on_gpu):]) if len(on_gpu) < len(keys) else []
         with self.lock:
             self._account(requester or self.node_id, slots)
             pin_id = next(self._pin_ids)
-            if slots:
-                self._pins[pin_id] = (slots, time.monotonic() + self.config.pin_ttl_s)
+            if slots or on_gpu:
+                self._pins[pin_id] = (slots, [s for s, _ in on_gpu], time.monotonic() + self.config.pin_ttl_s)
             rows = [PinnedChunk(s, self.tier.record(s).nbytes, self.tier.record(s).checksum) for s in slots]
             self.stats_counts["pins"] += 1
-            self.stats_counts["pinned_chunks"] += len(slots)
-        return Pinned(pin_id, rows, self.info.slab_path)
+            self.stats_counts["pinned_chunks"] += len(slots) + len(on_gpu)
+            self.stats_counts["pinned_gpu_chunks"] += len(on_gpu)
+        gpu_rows = [PinnedChunk(s, self.cascade.gpu.record(s).nbytes, c) for s, c in on_gpu]
+        return Pinned(pin_id, rows, self.info.slab_path, gpu_rows)
+
+    def _pin_gpu(self, keys: list[bytes]) -> list[tuple[int, int]]:
+        """Pin the leading run of `keys` held in a CUDA GPU tier: (slot, device checksum) each."""
+        gpu = self.cascade.gpu
+        if gpu is None or not self._gpu_exports:
+            return []
+        with self.lock:
+            slots = gpu.pin(keys)  # (and touches them in the GPU tier's LRU)
+        return [(s, gpu.device_sum(s)) for s in slots]  # (the sum of a chunk placed moments ago may still be queued)
 
     def _pin_host(self, keys: list[bytes]) -> list[int]:
         """Pin the leading run of `keys` in the CPU slab: GPU-only chunks are copied into it, disk-only ones
@@ -239,7 +269,13 @@ class KVNode:
         with self.lock:
             entry = self._pins.pop(pin_id, None)
             if entry is not None:
-                self.tier.unpin(entry[0])
+                self._release_pin(entry)
+
+    def _release_pin(self, entry) -> None:
+        slots, gpu_slots, _deadline = entry
+        self.tier.unpin(slots)
+        if gpu_slots:
+            self.cascade.gpu.unpin(gpu_slots)
 
     def report_corrupt(self, keys: list[bytes]) -> int:
         with self.lock:
@@ -450,8 +486,8 @@ class KVNode:
     def _expire_pins(self) -> None:
         now = time.monotonic()
         with self.lock:
-            for pin_id in [p for p, (_, deadline) in self._pins.items() if deadline < now]:
-                self.tier.unpin(self._pins.pop(pin_id)[0])
+            for pin_id in [p for p, (_, _, deadline) in self._pins.items() if deadline < now]:
+                self._release_pin(self._pins.pop(pin_id))
                 self.stats_counts["pins_expired"] += 1
 
     def locate(self, keys: list[bytes]) -> list[list]:
@@ -478,7 +514,7 @@ class KVNode:
                      tier_flows=[[src, dst, n, c.flow_bytes[(src, dst)]] for (src, dst), n in c.flows.items()])
             d.update(node_id=self.node_id, pid=os.getpid(), incarnation=self.lease.incarnation, chunks=len(self.tier),
                      used_bytes=self.tier.used_bytes, capacity_bytes=self.tier.num_slots * self.tier.slot_bytes,
-                     pinned=sum(len(s) for s, _ in self._pins.values()), fenced=self.fenced)
+                     pinned=sum(len(s) + len(g) for s, g, _ in self._pins.values()), fenced=self.fenced)
             disk = self.cascade.disk
             if disk is not None:
                 d.update(disk_chunks=len(disk), disk_used_bytes=disk.used_bytes,

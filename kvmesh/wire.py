@@ -6,8 +6,11 @@ accepts longer arrays of its version and ignores the extra fields. Decoders chec
 travel beside the header as one contiguous uint8 buffer, chunks back to back in header order; never pickled.
 
     NodeInfo      [1, node_id, actor_name, slab_path, slab_bytes, slot_bytes, data_addr]
-    PinRequest    [1, [key, ...]]
-    PinReply      [1, pin_id, [[slot, nbytes, checksum], ...], slab_path]   leading chunks, pinned
+    PinRequest    [1, [key, ...], requester node id, gpu]
+                  gpu: the reader can read the node's GPU tier device to device (CUDA IPC)
+    PinReply      [1, pin_id, [[slot, nbytes, checksum], ...], slab_path, [[gpu slot, nbytes, device sum], ...]]
+                  the leading chunks, pinned: first those in the GPU tier (asked with gpu: device sums as u64),
+                  then the rest in the CPU slab
     PullRequest   [1, [key, ...], requester node id]
     PullReply     [1, [[nbytes, checksum], ...]]  + buffer              leading chunks found and verified
     StoreRequest  [1, [[group, key, nbytes, checksum], ...]] + buffer
@@ -102,9 +105,16 @@ class NodeInfo:
         return replace(self, incarnation=incarnation)
 
 
-def pack_keys(keys: list[bytes], requester: str = "") -> bytes:
+def pack_keys(keys: list[bytes], requester: str = "", gpu: bool = False) -> bytes:
     """PinRequest and PullRequest (the requester's node id lets the holder account its traffic)."""
-    return msgpack.packb([VERSION, list(keys), requester], use_bin_type=True)
+    return msgpack.packb([VERSION, list(keys), requester, bool(gpu)], use_bin_type=True)
+
+
+def unpack_pin_request(data) -> tuple[list[bytes], str, bool]:
+    """(keys, requester, gpu) of a PinRequest."""
+    keys, requester = unpack_request(data, "PinRequest")
+    o = _unpack(data, "PinRequest")
+    return keys, requester, len(o) > 3 and o[3] is True
 
 
 def unpack_keys(data, what: str = "request") -> list[bytes]:
@@ -124,19 +134,31 @@ class PinnedChunk:
     checksum: int
 
 
-def pack_pin_reply(pin_id: int, chunks: list[PinnedChunk], slab_path: str) -> bytes:
-    return msgpack.packb([VERSION, pin_id, [[c.slot, c.nbytes, c.checksum] for c in chunks], slab_path])
+U64 = (1 << 64) - 1
 
 
-def unpack_pin_reply(data) -> tuple[int, list[PinnedChunk], str]:
-    """(pin id, pinned chunks, path of the slab the slots index)."""
-    o = _unpack(data, "PinReply")
-    rows = _rows(_field(o, 2, list, "PinReply"), 3, "PinReply")
+def pack_pin_reply(pin_id: int, chunks: list[PinnedChunk], slab_path: str,
+                   gpu: list[PinnedChunk] = ()) -> bytes:
+    return msgpack.packb([VERSION, pin_id, [[c.slot, c.nbytes, c.checksum] for c in chunks], slab_path,
+                          [[c.slot, c.nbytes, c.checksum & U64] for c in gpu]])
+
+
+def _pinned_rows(v, what: str) -> list[list]:
+    rows = _rows(v, 3, what)
     for r in rows:
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in r[:3]):
-            raise WireError("PinReply: slots, sizes and checksums must be non-negative ints")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= U64 for x in r[:3]):
+            raise WireError(f"{what}: slots, sizes and checksums must be non-negative 64-bit ints")
+    return rows
+
+
+def unpack_pin_reply(data) -> tuple[int, list[PinnedChunk], str, list[PinnedChunk]]:
+    """(pin id, pinned slab chunks, path of the slab the slots index, pinned GPU-tier chunks)."""
+    o = _unpack(data, "PinReply")
+    rows = _pinned_rows(_field(o, 2, list, "PinReply"), "PinReply")
+    gpu = _pinned_rows(o[4], "PinReply") if len(o) > 4 and isinstance(o[4], list) else []
+    signed = [r[2] - (1 << 64) if r[2] >= 1 << 63 else r[2] for r in gpu]  # device sums are int64
     return (_field(o, 1, int, "PinReply"), [PinnedChunk(r[0], r[1], r[2]) for r in rows],
-            _field(o, 3, str, "PinReply"))
+            _field(o, 3, str, "PinReply"), [PinnedChunk(r[0], r[1], c) for r, c in zip(gpu, signed)])
 
 
 def pack_chunk_header(rows: list[tuple[int, int]]) -> bytes:

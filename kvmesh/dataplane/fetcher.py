@@ -63,7 +63,7 @@ class Fetcher:
         kinds = [self.kind(r, opts) for r in runs]
         sink.prepare([i for r, k in zip(runs, kinds) if k in ("tcp", "ray") for i in range(r.start, r.end)])
         transfers: list[sources.Transfer] = []
-        delivered, error, corrupt = 0, "", 0
+        delivered, error, corrupt, device = 0, "", 0, 0
         stats: list[RunStats] = []
         try:
             for r, k in zip(runs, kinds):
@@ -75,6 +75,7 @@ class Fetcher:
                                       time.monotonic() - t0))
                 delivered += landed.delivered
                 corrupt += landed.corrupt
+                device += landed.device
                 if landed.delivered < len(t.run.keys):
                     error = landed.error or "peer_error"
                     break
@@ -84,7 +85,7 @@ class Fetcher:
         result = sink.finish(delivered)
         local = sum(s.delivered for s in stats if s.source == "slab")
         return result, FetchStats(local, delivered - local, time.monotonic() - t0, error, len(chunks), corrupt,
-                                  tuple(stats))
+                                  tuple(stats), device)
 
 
 def _link(run: Run) -> str:

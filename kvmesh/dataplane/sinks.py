@@ -12,6 +12,9 @@ Every sink has, for chunk index i of the fetch (0-based within the match):
                             take page-locked `src` (a pinned slab slot) by reference instead of copying; the sink
                             verifies it against `checksum` itself, calls `on_bad()` if it fails, and keeps `src`
                             until it is released. False: this sink copies instead
+    adopt_device(i, src, device_sum, on_bad)
+                            (sinks with `device_reads`) the same for a GPU-tier slot mapped through CUDA IPC: copied
+                            device to device, its device checksum (tiers.devsum) verified on a side stream
     commit(i, checksum)     chunk i landed and was verified
     on_release(fn)          fn() runs once the sink reads no adopted memory any more (a source's unpin)
     finish(n) -> result     the fetch delivered chunks [0, n) intact; what the caller gets
@@ -78,6 +81,8 @@ class DeviceSink:
 
     def __init__(self, spec: KVSpec, device: torch.device, verify: Executor, min_copy_bytes: int = 8 << 20) -> None:
         self.spec, self.device, self.min_copy_bytes = spec, device, min_copy_bytes
+        self.device_reads = device.type == "cuda"  # GPU-tier chunks may be adopted device to device
+        self._device: dict[int, tuple[int, Callable[[], None]]] = {}  # chunk index -> (device sum, on_bad)
         self._verify = verify
         self._srcs: dict[int, object] = {}  # chunk index -> host memory the device copy reads
         self._rows: dict[int, int] = {}  # chunk index -> its staging row
@@ -118,6 +123,10 @@ class DeviceSink:
         self._checked.append(i)
         return True
 
+    def adopt_device(self, i: int, src: torch.Tensor, device_sum: int, on_bad: Callable[[], None]) -> None:
+        self._srcs[i] = src
+        self._device[i] = (device_sum, on_bad)
+
     def commit(self, i: int, chunk_checksum: int) -> None:
         pass
 
@@ -140,7 +149,32 @@ class DeviceSink:
         load = to_device([self._srcs[i] for i in range(n)], self.spec, self.device,
                          min_copy_bytes=self.min_copy_bytes)
         load.checks, load.checked = self._checks, self._checked
+        on_device = sorted(i for i in self._device if i < n)
+        if on_device:  # device checksums of what landed, on a side stream after the last copy
+            from kvmesh.tiers.devsum import verify_on_side_stream
+
+            flat = load.staging.view(load.staging.shape[0], -1).view(torch.uint8)
+            last = next((e for e in reversed(load.events) if e is not None), None)
+            v = verify_on_side_stream([flat[i] for i in on_device], [self._device[i][0] for i in on_device], last)
+            for j, i in enumerate(on_device):
+                load.checks.append(_DeviceCheck(v, j, self._device[i][1]))
+                load.checked.append(i)
         load.on_release = [self._release]
         if self._staging is not None:
             load._keep.append(self._staging)
         return load, n
+
+
+class _DeviceCheck:
+    """One GPU-tier chunk's share of a batch of device checksums, as a `LayerwiseLoad.checks` entry."""
+
+    def __init__(self, verify, j: int, on_bad: Callable[[], None]) -> None:
+        self._verify, self._j, self._on_bad = verify, j, on_bad
+        self._reported = False
+
+    def result(self) -> bool:
+        ok = self._verify.per_chunk()[self._j]
+        if not ok and not self._reported:
+            self._reported = True
+            self._on_bad()
+        return ok

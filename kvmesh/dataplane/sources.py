@@ -42,6 +42,7 @@ class Landed:
     error: str = ""  # why it stopped short: "not_held", "checksum", "deadline", "peer_error", "holder_unknown",
     # "stale_slab"; "" when it did not
     corrupt: bool = False  # it stopped at a chunk that failed its checksum
+    device: int = 0  # of the delivered chunks, those read device to device from the node's GPU tier
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Env:
     data: DataClient
     pool: Executor  # threads for the blocking receives of `tcp` runs
     on_stale_slab: Callable[[], None] = lambda: None  # the local node's slab moved (it restarted)
+    gpu: object | None = None  # this node's GPU tier mapped here (dataplane.gpureads.GpuReads), or None
 
 
 def _error_of(e: BaseException) -> str:
@@ -110,7 +112,20 @@ class PinnedTransfer(Transfer):
             env.on_stale_slab()
             return Landed(0, "stale_slab")
         cb = self._cb
-        for j, row in enumerate(p.chunks):
+        g = len(p.gpu)  # the leading chunks pinned in the GPU tier: read device to device
+        for j, row in enumerate(p.gpu):
+            if row.nbytes != cb:
+                return Landed(j, "not_held")
+            try:
+                src = env.gpu.view(row.slot, cb)
+            except Exception:  # the pool cannot be read any more (GpuIpcError): the rest comes next time
+                env.gpu = None
+                return Landed(j, "gpu_unreachable")
+            key = run.keys[j]
+            sink.adopt_device(run.start + j, src, row.checksum, lambda k=key: env.local.report_corrupt([k]))
+            self._adopted = True
+        for j0, row in enumerate(p.chunks):
+            j = g + j0
             if row.nbytes != cb:
                 return Landed(j, "not_held")
             i = run.start + j
@@ -124,8 +139,8 @@ class PinnedTransfer(Transfer):
                 env.local.report_corrupt([key])
                 return Landed(j, "checksum", corrupt=True)
             sink.commit(i, row.checksum)
-        n = len(p.chunks)
-        return Landed(n, "" if n == len(run.keys) else "not_held")
+        n = g + len(p.chunks)
+        return Landed(n, "" if n == len(run.keys) else "not_held", device=g)
 
     def release(self) -> None:
         if self._released:
@@ -134,7 +149,7 @@ class PinnedTransfer(Transfer):
         local = self.env.local
 
         def unpin(p: Pinned) -> None:
-            if p.chunks:
+            if p.chunks or p.gpu:
                 local.unpin(p.pin_id)
 
         if not self._waited:  # never waited for (a run after the fetch was cut short), or it timed out
@@ -145,7 +160,7 @@ class PinnedTransfer(Transfer):
                     pass
             else:  # unpin whenever the reply arrives
                 self._pending.abandon(unpin)
-        elif self._pinned is not None and self._pinned.chunks:
+        elif self._pinned is not None and (self._pinned.chunks or self._pinned.gpu):
             if self._adopted:  # the sink still reads the slots: unpin when it lets go
                 self.sink.on_release(lambda p=self._pinned: unpin(p))
             else:
@@ -226,8 +241,9 @@ class RayTransfer(Transfer):
 def begin(env: Env, run: Run, kind: str, sink, chunk_bytes: int, deadline: float, group: bytes = b"",
           transport: str = "tcp") -> Transfer:
     """Phase 1 of `run` through source `kind` ("slab", "via", "tcp", "ray"), for chunks of `chunk_bytes`."""
-    if kind == "slab":
-        return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pin(list(run.keys)))
+    if kind == "slab":  # a device sink on a GPU reads GPU-tier chunks device to device where it can map them
+        gpu = env.gpu is not None and getattr(sink, "device_reads", False)
+        return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pin(list(run.keys), gpu))
     if kind == "via":
         ms = max(0, min(MAX_DEADLINE_MS, int((deadline - time.monotonic()) * 1000)))
         req = PullThrough(list(run.keys), group, chunk_bytes, run.holder, transport, ms)

@@ -172,6 +172,8 @@ def backend(mesh, ray_cluster, tmp_path_factory):
     kvmesh.start(config=disk_config)  # only the new node gets a KVNode, and this config
     wait_until(lambda: node.node_id in node_actors(), 30)
     yield RayBackend(mesh, node.node_id, disk_config)
+    ray.kill(node_actors()[node.node_id], no_restart=True)  # its detached actor's name would outlive the node
+    wait_until(lambda: node.node_id not in node_actors(), 30)
     ray_cluster.remove_node(node)
 
 

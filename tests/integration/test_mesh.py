@@ -138,7 +138,7 @@ def corrupt_chunk(mesh, node_id: str, s: KVSpec, toks, index: int) -> None:
     key = c.hashes(toks)[index]
     c.close()
     actor = node_actors()[node_id]
-    pin_id, rows, path = unpack_pin_reply(ray.get(actor.pin.remote(pack_keys([key]))))
+    pin_id, rows, path, _ = unpack_pin_reply(ray.get(actor.pin.remote(pack_keys([key]))))
     ray.get(actor.unpin.remote(pin_id))
     with open(path, "r+b") as f:
         f.seek(rows[0].slot * mesh.config.slot_bytes + 1000)

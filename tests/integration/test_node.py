@@ -55,7 +55,7 @@ def test_store_registers_and_pull_returns_verified_bytes(node):
 
 def test_pins_protect_a_same_node_read_and_expire(node):
     node.store(*chunks(1))
-    pin_id, rows, path = unpack_pin_reply(node.pin(pack_keys([k(1)])))
+    pin_id, rows, path, _ = unpack_pin_reply(node.pin(pack_keys([k(1)])))
     assert path == node.info.slab_path and len(rows) == 1
     assert node.stats()["pinned"] == 1
     node.unpin(pin_id)
@@ -411,7 +411,7 @@ def test_concurrent_pull_throughs_of_the_same_chunks_make_one_transfer(node, tmp
         replies = []
 
         def reader():
-            pin_id, rows, path = unpack_pin_reply(b.pull_through(request))
+            pin_id, rows, path, _ = unpack_pin_reply(b.pull_through(request))
             replies.append((pin_id, rows, path))
 
         threads = [threading.Thread(target=reader) for _ in range(8)]
@@ -447,18 +447,18 @@ def test_a_pull_through_that_fails_midway_is_shorter_and_frees_its_slots(node, t
     try:
         node.store(*chunks(1, 2, 3))
         node.tier.buffer(node.tier.slot_of(k(2)))[5] ^= 0x10  # A's copy of 2 rots: the transfer stops there
-        _, rows, _ = unpack_pin_reply(b.pull_through(pack_pull_through(
+        _, rows, _, _ = unpack_pin_reply(b.pull_through(pack_pull_through(
             PullThrough([k(1), k(2), k(3)], G, SLOT, node.node_id, "tcp", 5000))))
         assert len(rows) == 1 and b.stats()["pull_through_pulled_chunks"] == 1
         assert b.tier.slot_of(k(2)) is None and len(b.tier) == 1  # nothing half-written stays reserved
         # the unknown holder, and the Ray path outside Ray, end as shorter reads, not errors
-        _, rows, _ = unpack_pin_reply(b.pull_through(pack_pull_through(
+        _, rows, _, _ = unpack_pin_reply(b.pull_through(pack_pull_through(
             PullThrough([k(1), k(7)], G, SLOT, "no-such-node", "tcp", 1000))))
         assert len(rows) == 1 and b.stats()["pull_through_holder_unknown"] == 1
         # (outside Ray: ConnectionError; with this process connected to a test cluster: no such actor there)
         errors = lambda: sum(v for c, v in b.stats().items() if c.startswith("pull_through_error_"))  # noqa: E731
         before = errors()
-        _, rows, _ = unpack_pin_reply(b.pull_through(pack_pull_through(
+        _, rows, _, _ = unpack_pin_reply(b.pull_through(pack_pull_through(
             PullThrough([k(3)], G, SLOT, node.node_id, "ray", 1000))))
         assert rows == [] and errors() == before + 1
         b.check_integrity()

@@ -10,7 +10,7 @@ from kvmesh.directory import Directory
 from kvmesh.local import RedisClusterServers, RedisServer, tls_redis_server_binary
 from kvmesh.node import KVNode
 from kvmesh.tiers import TIER_CPU, checksum
-from kvmesh.wire import NodeInfo, StoreItem, pack_store
+from kvmesh.wire import NodeInfo, StoreItem
 from tests.conftest import wait_until
 
 SLOT = 4096
@@ -38,7 +38,7 @@ def store_prompt(node: KVNode, g: int, n: int) -> list[bytes]:
     keys = chunk_keys(g, n)
     keys[0] = group(g)
     datas = [np.full(SLOT, (g + j) % 251, dtype=np.uint8) for j in range(n)]
-    node.store(pack_store([StoreItem(keys[0], key, SLOT, checksum(d)) for key, d in zip(keys, datas)]),
+    node.store([StoreItem(keys[0], key, SLOT, checksum(d)) for key, d in zip(keys, datas)],
                np.concatenate(datas))
     return keys
 

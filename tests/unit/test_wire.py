@@ -11,7 +11,7 @@ K = b"k" * 16
 
 def test_round_trips():
     assert unpack_keys(pack_keys([K, K])) == [K, K]
-    pin_id, rows, path = unpack_pin_reply(pack_pin_reply(7, [PinnedChunk(1, 2, 3)], "/dev/shm/x"))
+    pin_id, rows, path, _ = unpack_pin_reply(pack_pin_reply(7, [PinnedChunk(1, 2, 3)], "/dev/shm/x"))
     assert (pin_id, rows, path) == (7, [PinnedChunk(1, 2, 3)], "/dev/shm/x")
     assert unpack_chunk_header(pack_chunk_header([(10, 2**64 - 1)])) == [(10, 2**64 - 1)]
     items = [StoreItem(K, K, 100, 5)]

@@ -168,7 +168,7 @@ def corrupt_chunk(engines, mesh, node_id: str, prompt: list[int], index: int) ->
 
     key = engines["client"].hashes(prompt)[index]
     actor = node_actors()[node_id]
-    pin_id, rows, path = unpack_pin_reply(ray.get(actor.pin.remote(pack_keys([key]))))
+    pin_id, rows, path, _ = unpack_pin_reply(ray.get(actor.pin.remote(pack_keys([key]))))
     ray.get(actor.unpin.remote(pin_id))
     assert len(rows) == 1
     with open(path, "r+b") as f:

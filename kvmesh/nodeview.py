@@ -3,8 +3,8 @@ each own one (a KVNode's pull-throughs need peers' addresses too).
 
     table() -> NodeTable       reads: the last node table read, with leases judged now (Redis's clock, advanced by
                                the time elapsed here since the read)
-    info(node_id) -> NodeInfo  reads: a live node's record; the table is read again first if it is older than
-                               `max_age_s`
+    info(node_id[, inc]) -> NodeInfo   reads: a live node's record; the table is read again first if it is
+                               older than `max_age_s`, or does not know incarnation `inc` of the node
     refresh() -> bool          mutates: reads the node table (closes the breaker when the directory answered)
     allow() -> bool            reads: False while the breaker is open (a directory call failed within `retry_s`
                                and no refresh has reached the directory since): callers skip the directory
@@ -49,10 +49,13 @@ class NodeView:
     def age_s(self) -> float:
         return time.monotonic() - self._at
 
-    def info(self, node_id: str) -> NodeInfo | None:
-        if self.age_s > self.max_age_s:  # (a restarted node has a new address)
+    def info(self, node_id: str, incarnation: int = 0) -> NodeInfo | None:
+        """`incarnation`: the one a lookup named; a table that knows another one (or none) is read again first."""
+        found = self.table().by_node().get(node_id) if self.age_s <= self.max_age_s else None
+        if found is None or (incarnation and found.incarnation != incarnation):  # (a restarted node moved)
             self.refresh()
-        return self.table().by_node().get(node_id)
+            found = self.table().by_node().get(node_id)
+        return found
 
     def refresh(self) -> bool:
         try:

@@ -132,7 +132,7 @@ class PullThrough:
         """Bring the leading run of `keys` from the holder into this node's tiers and register it; returns how
         many chunks landed. Failures end the run early and are counted, never raised."""
         node = self.node
-        if req.holder == node.node_id or node.view.info(req.holder) is None:
+        if req.holder == node.node_id or node.view.info(req.holder, req.incarnation) is None:
             self._count("pull_through_holder_unknown")
             return 0
         with self._lock:
@@ -149,7 +149,7 @@ class PullThrough:
         if not keys:
             return 0
         sink = SlotSink(node, tickets, req.nbytes) if direct else BufferSink(node, keys, req.group, req.nbytes)
-        holder = (Holder(req.holder, 0, TIER_CPU),)
+        holder = (Holder(req.holder, req.incarnation, TIER_CPU),)
         opts = FetchOptions(req.nbytes, deadline, req.transport, False, req.group,
                             max(1, node.config.pull_batch_bytes // req.nbytes))
         n, stats = self.fetcher.fetch([ChunkMatch(k, holder) for k in keys], sink, opts)

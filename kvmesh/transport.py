@@ -143,16 +143,17 @@ class DataClient:
         self._lock = threading.Lock()
         self.connect_timeout_s = connect_timeout_s
 
-    def _connect(self, address: str, deadline: float) -> socket.socket:
+    def _connect(self, address: str, deadline: float, reuse: bool = True) -> tuple[socket.socket, bool]:
+        """A connection to `address`, and whether it is a kept one (which the peer may have closed since)."""
         with self._lock:
             pool = self._idle.get(address)
-            if pool:
-                return pool.pop()
+            if pool and reuse:
+                return pool.pop(), True
         host, port = address.rsplit(":", 1)
         timeout = max(0.01, min(self.connect_timeout_s, deadline - time.monotonic()))
         sock = socket.create_connection((host, int(port)), timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        return sock, False
 
     def pull(self, address: str, keys: list[bytes], expected_nbytes: int, dest: Callable[[int], list],
              deadline: float, requester: str = "", checksums: list | None = None,
@@ -165,14 +166,24 @@ class DataClient:
         done = 0
         if cancel is not None and cancel.is_set():
             return 0, TimeoutError("cancelled")
+        reuse = True
+        while True:
+            try:
+                sock, kept = self._connect(address, deadline, reuse)
+            except OSError as e:
+                return 0, e
+            try:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                _send_frame(sock, pack_keys(keys, requester))
+                rows = unpack_chunk_header(_recv_frame(sock))
+                break
+            except (OSError, WireError) as e:
+                sock.close()
+                if kept and not isinstance(e, TimeoutError):  # a kept connection the peer closed since: once more
+                    reuse = False
+                    continue
+                return 0, e
         try:
-            sock = self._connect(address, deadline)
-        except OSError as e:
-            return 0, e
-        try:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            _send_frame(sock, pack_keys(keys, requester))
-            rows = unpack_chunk_header(_recv_frame(sock))
             if len(rows) > len(keys) or any(n != expected_nbytes for n, _ in rows):
                 raise WireError("PullReply: unexpected chunk count or size")
             for j, (_nbytes, want) in enumerate(rows):

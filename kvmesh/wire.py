@@ -14,7 +14,7 @@ travel beside the header as one contiguous uint8 buffer, chunks back to back in 
     PullRequest   [1, [key, ...], requester node id]
     PullReply     [1, [[nbytes, checksum], ...]]  + buffer              leading chunks found and verified
     StoreRequest  [1, [[group, key, nbytes, checksum], ...]] + buffer
-    PullThrough   [1, [key, ...], group, nbytes, holder node id, transport, deadline_ms]
+    PullThrough   [1, [key, ...], group, nbytes, holder node id, transport, deadline_ms, holder incarnation]
                   a reader asks its own node to bring the chunks from the holder (replied with a PinReply)
 """
 
@@ -219,11 +219,13 @@ class PullThrough:
     holder: str  # node id of the holder to pull from
     transport: str  # "tcp": the holder's DataServer; "ray": its actor, through Ray's object store
     deadline_ms: int  # how long the node may spend on it
+    incarnation: int = 0  # the holder's incarnation the reader's lookup named (a node table that knows another
+    # one is out of date: the node reads it again before it connects)
 
 
 def pack_pull_through(p: PullThrough) -> bytes:
-    return msgpack.packb([VERSION, list(p.keys), p.group, p.nbytes, p.holder, p.transport, p.deadline_ms],
-                         use_bin_type=True)
+    return msgpack.packb([VERSION, list(p.keys), p.group, p.nbytes, p.holder, p.transport, p.deadline_ms,
+                          p.incarnation], use_bin_type=True)
 
 
 def unpack_pull_through(data) -> PullThrough:
@@ -240,4 +242,5 @@ def unpack_pull_through(data) -> PullThrough:
             or deadline_ms > MAX_DEADLINE_MS:
         raise WireError(f"{what}: nbytes must be positive, holder a node id, transport one of {PEER_TRANSPORTS} "
                         f"and deadline_ms at most {MAX_DEADLINE_MS}")
-    return PullThrough(keys, group, nbytes, holder, transport, deadline_ms)
+    inc = o[7] if len(o) > 7 and isinstance(o[7], int) and not isinstance(o[7], bool) and o[7] >= 0 else 0
+    return PullThrough(keys, group, nbytes, holder, transport, deadline_ms, inc)

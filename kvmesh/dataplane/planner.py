@@ -21,6 +21,7 @@ class Run:
     keys: tuple[bytes, ...]
     tiers: tuple[int, ...]  # the holder's tier for each chunk (for the cost model and the metrics)
     local: bool  # the holder is the caller's own node
+    incarnation: int = 0  # the holder's incarnation the lookup named (0: unknown)
 
     @property
     def end(self) -> int:
@@ -32,7 +33,7 @@ def plan_runs(chunks: Sequence, here: str | None, local_reads: bool, per_batch: 
     `local_reads`: whether chunks held here can be read here (a worker with this node's slab mapped)."""
     if per_batch < 1:
         raise ValueError(f"per_batch must be at least 1, got {per_batch}")
-    runs: list[list] = []  # [holder, start, keys, tiers]
+    runs: list[list] = []  # [holder, start, keys, tiers, incarnation]
     prev = None
     for i, ch in enumerate(chunks):
         holders: tuple[Holder, ...] = ch.holders
@@ -49,6 +50,6 @@ def plan_runs(chunks: Sequence, here: str | None, local_reads: bool, per_batch: 
             last[2].append(ch.hash)
             last[3].append(by_node[pick].tier)
         else:
-            runs.append([pick, i, [ch.hash], [by_node[pick].tier]])
+            runs.append([pick, i, [ch.hash], [by_node[pick].tier], by_node[pick].incarnation])
         prev = pick
-    return [Run(h, s, tuple(k), tuple(t), local_reads and h == here) for h, s, k, t in runs]
+    return [Run(h, s, tuple(k), tuple(t), local_reads and h == here, inc) for h, s, k, t, inc in runs]

@@ -246,10 +246,10 @@ def begin(env: Env, run: Run, kind: str, sink, chunk_bytes: int, deadline: float
         return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pin(list(run.keys), gpu))
     if kind == "via":
         ms = max(0, min(MAX_DEADLINE_MS, int((deadline - time.monotonic()) * 1000)))
-        req = PullThrough(list(run.keys), group, chunk_bytes, run.holder, transport, ms)
+        req = PullThrough(list(run.keys), group, chunk_bytes, run.holder, transport, ms, run.incarnation)
         return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pull_through(req))
     if kind == "tcp":
-        info = env.view.info(run.holder)
+        info = env.view.info(run.holder, run.incarnation)
         if info is None or not info.data_addr:
             return Failed(run, sink, kind, "holder_unknown")
         return TcpTransfer(env, run, sink, chunk_bytes, info.data_addr, deadline)

@@ -9,9 +9,9 @@ Ray is imported only when these are called, so specs, hashing and the tiers work
 
 from kvmesh.config import KVMeshConfig
 from kvmesh.mesh import start, stop
-from kvmesh.spec import KVSpec
+from kvmesh.spec import KVFormat, KVGroup, KVSpec
 
-__all__ = ["KVSpec", "KVMeshConfig", "KVMeshClient", "Match", "start", "stop", "connect"]
+__all__ = ["KVSpec", "KVGroup", "KVFormat", "KVMeshConfig", "KVMeshClient", "Match", "start", "stop", "connect"]
 __version__ = "0.1.0"
 
 

@@ -69,21 +69,49 @@ def start(redis_url: str | None = None, *, config: KVMeshConfig | None = None, t
         # A KVNode reserves no GPU from Ray (the engines own them) but its GPU tier must see the device: keep
         # Ray from hiding it behind an empty CUDA_VISIBLE_DEVICES.
         extra["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-    handles = []
+    placed = []
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
         node_id = node["NodeID"]
         name = actor_name(node_id)
         host = node.get("NodeManagerAddress") or "127.0.0.1"
-        handles.append(cls.options(
+        placed.append((node_id, cls.options(
             name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
             max_concurrency=32, max_restarts=-1, max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **extra,
-        ).remote(cfg.to_dict(), node_id, name, host))
-    ray.get([h.hello.remote() for h in handles], timeout=timeout_s)  # every node is up
+        ).remote(cfg.to_dict(), node_id, name, host)))
+    handles = _wait_until_up(ray, placed, timeout_s)
     hellos = [NodeHandle(h, "").hello(timeout_s) for h in handles]
     return Mesh(cfg, tuple(h.info for h in hellos))
+
+
+def _wait_until_up(ray, placed: list, timeout_s: float) -> list:
+    """The handles of the KVNodes that answered. A node that died while they started (Ray listed it alive, but
+    its actor can no longer be placed there) is left out; any other failure, on a node that is still alive, is
+    raised."""
+    refs = [h.hello.remote() for _, h in placed]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    up = []
+    for (node_id, h), ref in zip(placed, refs):
+        try:
+            ray.get(ref, timeout=1.0)  # ready, or past the wait above
+        except Exception as e:
+            if _node_alive(ray, node_id):
+                raise
+            log.warning("kvmesh: node %s died while its KVNode started; left out (%s)", node_id,
+                        type(e).__name__)
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception:  # already gone with its node
+                pass
+            continue
+        up.append(h)
+    return up
+
+
+def _node_alive(ray, node_id: str) -> bool:
+    return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
 
 
 def node_actors() -> dict[str, object]:

@@ -1,6 +1,8 @@
 """Reuse through a transformers causal LM (`DynamicCache`).
 
-    spec_for_model(model, ...) -> KVSpec        identity from the model's config, dtype and weights
+    spec_for_model(model, ...) -> KVSpec        identity from the model's config, dtype and weights, and the KV
+                                                format (`HF_FORMAT`, or None: kvmesh's neutral chunks, shared
+                                                with a vLLM engine whose connector has kv_format="neutral")
     cache_from_kv(kv) -> DynamicCache           [num_layers, 2, T, kv_heads, head_dim] -> per-layer [1, H, T, D]
     kv_from_cache(cache, num_tokens, layers)    the reverse
     prefill_on_load(model, ids, load, ...)      prefill a suffix while its prefix arrives layer by layer: decoder
@@ -11,6 +13,10 @@
 
 Without a client, `generate` is the plain recompute path through the same code, so the two can be compared token
 for token.
+
+Sliding-window models (Mistral-, Gemma-2-style configs). The cache here is a plain `DynamicCache`, which keeps every
+token of every layer (the model applies its window as an attention mask), so the KV stored and loaded is the whole
+prefix of every layer: one uniform stack, whatever the layers' windows.
 """
 
 from __future__ import annotations
@@ -26,7 +32,11 @@ import torch
 from kvmesh._extras import require
 from kvmesh.hashing import as_tokens
 from kvmesh.movers import LayerwiseLoad, scatter_contiguous
-from kvmesh.spec import KVSpec
+from kvmesh.spec import KVFormat, KVSpec
+
+# The chunks this integration writes: every layer's K/V out of a DynamicCache, in kvmesh's neutral order. Bump the
+# version whenever that changes.
+HF_FORMAT = KVFormat("transformers", "dynamic-cache", 1)
 
 transformers = require("transformers", "hf", __name__)
 
@@ -43,7 +53,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 
 def spec_for_model(model, *, model_id: str | None = None, chunk_tokens: int = 256, lora_id: str | None = None,
-                   tp_rank: int = 0, tp_size: int = 1) -> KVSpec:
+                   tp_rank: int = 0, tp_size: int = 1, kv_format: KVFormat | None = HF_FORMAT) -> KVSpec:
     cfg = model.config
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -54,7 +64,7 @@ def spec_for_model(model, *, model_id: str | None = None, chunk_tokens: int = 25
         model_id = f"{name}@{weights_fingerprint(model)}"
     return KVSpec(model_id=model_id, num_layers=cfg.num_hidden_layers, num_kv_heads=kv_heads // tp_size,
                   head_dim=head_dim, dtype=dtype, chunk_tokens=chunk_tokens, tp_rank=tp_rank, tp_size=tp_size,
-                  lora_id=lora_id)
+                  lora_id=lora_id, kv_format=kv_format)
 
 
 def _new_cache():

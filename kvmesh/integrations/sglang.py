@@ -30,7 +30,14 @@ keys say. Byte layout (written down once):
 
 SGLang's page key already names its whole prefix, so key_i does too. The spec comes from the storage config and
 the host pool: model id (name plus revision, or a fingerprint of a local model directory's files), dtype, layers,
-KV heads, head dim, page size, TP rank and size (pipeline stages add their layer range to the model id).
+KV heads, head dim, page size, TP rank and size (pipeline stages add their layer range to the model id), and the
+KV format (`sglang_kv_format`: "sglang", the host pool's layout and `SGLANG_FORMAT_VERSION`, bumped whenever this
+backend changes how it writes a page), so engines whose pools differ in layout never share a page.
+
+Sliding-window models. SGLang keeps a Mistral- or Gemma-2-style model's KV in one uniform pool (every token of every
+layer; the window is applied by attention), which this backend stores and loads whole. Its hybrid pools (an SWA
+pool beside the full one, Mamba state, DSA indexer keys, DeepSeek-V4's compressed KV, draft-model KV) are refused
+when SGLang registers them, at start-up, with an error naming the feature.
 
 The directory group. All pages of one (spec, salt, generation) are registered in one directory group, so a lookup
 is one HMGET whatever pages SGLang asks about: SGLang queries and writes from any page of a sequence, not just the
@@ -59,7 +66,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from kvmesh.client import connect
 from kvmesh.hashing import HASH_BYTES, root_hash, salt_bytes
 from kvmesh.integrations.identity import local_model_id, model_fingerprint  # noqa: F401 (model_fingerprint: API)
-from kvmesh.spec import KVSpec
+from kvmesh.spec import KVFormat, KVSpec
 
 log = logging.getLogger("kvmesh.sglang")
 
@@ -76,6 +83,15 @@ OPTIONS = {
     "generation_refresh_s": (int, float),  # how often the generation is re-read (another engine may clear)
 }
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+# Bumped whenever this backend changes how it writes a page's bytes: pages written before are then never read.
+SGLANG_FORMAT_VERSION = 1
+# SGLang host pool name (prefix) -> the model feature it stands for
+_POOL_FEATURES = (("swa", "hybrid sliding-window attention (a separate SWA KV pool)"),
+                  ("auxiliary_swa", "hybrid sliding-window attention (a separate SWA KV pool)"),
+                  ("mamba", "Mamba / state-space layers (a recurrent state pool)"),
+                  ("indexer", "sparse-attention indexer keys (DeepSeek-V3.2 DSA)"),
+                  ("deepseek_v4", "DeepSeek-V4 compressed KV"),
+                  ("draft", "speculative-decoding draft-model KV"))
 
 
 def parse_options(extra: dict | None) -> dict:
@@ -121,7 +137,20 @@ def spec_for_pool(storage_config: HiCacheStorageConfig, host_pool, options: dict
     return KVSpec(model_id=model_id, num_layers=host_pool.layer_num, num_kv_heads=host_pool.head_num,
                   head_dim=host_pool.head_dim, dtype=str(host_pool.dtype).removeprefix("torch."),
                   chunk_tokens=host_pool.page_size, tp_rank=storage_config.tp_rank,
-                  tp_size=storage_config.tp_size, lora_id=options.get("lora_id"))
+                  tp_size=storage_config.tp_size, lora_id=options.get("lora_id"), kv_format=sglang_kv_format(layout))
+
+
+def sglang_kv_format(layout: str) -> KVFormat:
+    """The format of the pages this backend writes: SGLang's host pool layout (read through `chunk_view`)."""
+    return KVFormat("sglang", f"host:{layout}", SGLANG_FORMAT_VERSION)
+
+
+def pool_feature(name: str) -> str:
+    """The model feature an SGLang host pool other than "kv" stands for."""
+    for prefix, feature in _POOL_FEATURES:
+        if name == prefix or name.startswith(prefix + "_"):
+            return feature
+    return f"an extra KV pool {name!r}"
 
 
 def generation_group(root: bytes, generation: int) -> bytes:
@@ -204,9 +233,10 @@ class KVMeshStorage(HiCacheStorage):
         log.info("kvmesh SGLang backend on node %s: %s", client.node_id, spec)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
-        if str(getattr(host_pool_name, "value", host_pool_name)) != "kv":
-            raise ValueError(f"kvmesh SGLang backend: only the KV pool is supported, not {host_pool_name!r} "
-                             f"(hybrid Mamba/SWA/DSA models)")
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name != "kv":  # SGLang registers its pools at start-up: the engine refuses to start, naming why
+            raise ValueError(f"kvmesh SGLang backend: the model has {pool_feature(name)} (host pool {name!r}), "
+                             f"which kvmesh does not support; only models with one uniform KV pool are")
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     # -- generation (clear) ---------------------------------------------------------------------------------------

@@ -26,13 +26,21 @@ step, and then `request_finished` keeps a finished request's blocks until its co
 `handle_preemptions` holds back the reuse of a preempted request's blocks the same way.
 
 Identity. Chunks are keyed by kvmesh's own chained hashes of the prompt's token ids (kvmesh.hashing) under a spec
-derived from the vLLM config (kvmesh.integrations.vllm_options.spec_for_vllm): model name and revision, or a local
+derived from the vLLM config (kvmesh.integrations.vllm_options.specs_for_vllm): model name and revision, or a local
 model directory's fingerprint, KV dtype (and the compute dtype when it differs), quantization, config overrides,
 layers, KV heads per TP shard, head dim, TP rank and size, chunk tokens (a multiple of the block size), the
-request's LoRA adapter; the salt is the request's `cache_salt` (behind the engine's `cache_salt` option if set).
-Engines whose specs differ never share a chunk. The chunk layout is engine-neutral, [layers, 2, chunk_tokens,
-kv_heads, head_dim]: kvmesh.paged converts each platform's block layout, so vLLM and a transformers worker of the
-same model and spec share chunks.
+request's LoRA adapter, the KV cache group (one spec per group: a hybrid model's full-attention and sliding-window
+layers never mix), and the KV format (`vllm_kv_format`: "vllm", the block layout this connector learned on the CPU
+or selected on a GPU, and `VLLM_FORMAT_VERSION`); the salt is the request's `cache_salt` (behind the engine's
+`cache_salt` option if set). Engines whose specs differ never share a chunk. The bytes of a chunk are in kvmesh's
+engine-neutral order, [layers, 2, chunk_tokens, kv_heads, head_dim] (kvmesh.paged converts each platform's block
+layout); with `kv_format="neutral"` the format is left out of the identity, so vLLM and a transformers worker of
+the same model and spec share chunks.
+
+Hybrid models. The connector supports vLLM's hybrid allocator (`SupportsHMA`): with full-attention and
+sliding-window layers, each group is loaded and saved on its own, a sliding-window group only within its window
+(see kvmesh.integrations.vllm_scheduler). Mamba state, chunked local attention, MLA and encoder-decoder models are
+refused at start-up (vllm_options.groups_for_vllm).
 
 Ray. The engine process joins Ray (`ray_address`, default `$RAY_ADDRESS` or "auto") unless it is already connected
 (e.g. an engine inside a Ray actor), and uses the KVNode of `ray_node_id` (default `$KVMESH_RAY_NODE_ID`, else the
@@ -46,14 +54,18 @@ import os
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvmesh.integrations.vllm_options import ConnectorOptions, background_save_copy, parse_options, spec_for_vllm
-from kvmesh.integrations.vllm_scheduler import SchedulerSide, StepMeta
+from kvmesh.integrations.vllm_options import ConnectorOptions, background_save_copy, parse_options, specs_for_vllm
+from kvmesh.integrations.vllm_meta import StepMeta
+from kvmesh.integrations.vllm_scheduler import SchedulerSide
 from kvmesh.integrations.vllm_worker import WorkerSide
+from kvmesh.spec import KVFormat
 
 log = logging.getLogger("kvmesh.vllm")
+# Bumped whenever this connector changes how it writes a chunk's bytes: chunks written before are then never read.
+VLLM_FORMAT_VERSION = 1
 _SOURCES = {"host": CacheHitSource.HOST, "p2p": CacheHitSource.P2P, "disk": CacheHitSource.DISK}
 
 
@@ -91,7 +103,32 @@ def _cpu_writer(vllm_config, block_size: int, head_dim: int, num_kv_heads: int):
     return write
 
 
-class KVMeshConnector(KVConnectorBase_V1):
+def vllm_kv_format(vllm_config, kv_spec) -> KVFormat:
+    """The KV format of this engine's chunks: on the CPU the block packing learned from vLLM's own cache-write
+    kernel (its ISA and a digest of the permutation: an engine whose kernel packs differently gets another
+    format), on a GPU the head-major logical view kvmesh reads (kvmesh.paged.HeadMajorCodec) and the attention
+    backend when one is configured."""
+    import hashlib
+
+    from kvmesh.paged import learn_codec
+
+    bs, heads, head = kv_spec.block_size, kv_spec.num_kv_heads, kv_spec.head_size
+    device = vllm_config.device_config.device_type
+    if device == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(vllm_config.model_config.dtype, bs, head, vllm_config.cache_config.cache_dtype)
+        codec = learn_codec(_cpu_writer(vllm_config, bs, head, heads), (heads, bs, 2 * head), bs, heads, head,
+                            kv_spec.dtype)
+        digest = hashlib.blake2b(codec.to_block.numpy().tobytes(), digest_size=8).hexdigest()
+        layout = f"cpu:{isa}:bs{bs}:{digest}"
+    else:
+        backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+        layout = f"{device}:head-major:bs{bs}" + (f":{getattr(backend, 'name', backend)}" if backend else "")
+    return KVFormat("vllm", layout, VLLM_FORMAT_VERSION)
+
+
+class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
     """kvmesh as vLLM's external prefix cache (see the module docstring)."""
 
     _cache_hit_source = CacheHitSource.P2P
@@ -102,7 +139,7 @@ class KVMeshConnector(KVConnectorBase_V1):
             raise ValueError("kvmesh vLLM connector: vLLM gave no KV cache config (vLLM >= 0.32 is required)")
         self.options = parse_options(self._kv_transfer_config.kv_connector_extra_config)
         _ensure_ray(self.options)
-        group = kv_cache_config.kv_cache_groups[0] if kv_cache_config.kv_cache_groups else None
+        groups = kv_cache_config.kv_cache_groups
         tp_rank = 0
         if role == KVConnectorRole.WORKER:
             try:
@@ -111,27 +148,34 @@ class KVMeshConnector(KVConnectorBase_V1):
                 tp_rank = get_tensor_model_parallel_rank()
             except Exception:  # not initialised (a single worker)
                 tp_rank = 0
-        spec = spec_for_vllm(vllm_config, kv_cache_config, self.options, tp_rank)
-        block_size = group.kv_cache_spec.block_size
+        kv_format = (vllm_kv_format(vllm_config, groups[0].kv_cache_spec)
+                     if self.options.kv_format == "engine" and groups else None)
+        specs = specs_for_vllm(vllm_config, kv_cache_config, self.options, tp_rank, kv_format=kv_format)
+        spec = specs[0]
+        block_size = groups[0].kv_cache_spec.block_size
         kv_role = self._kv_transfer_config.kv_role
         connect = _connector_for(self.options)
         background = background_save_copy(self.options, vllm_config.device_config.device_type)
+        if background and any(s.window for s in specs):
+            # vLLM frees a sliding window's blocks while the request runs: copy them out within the step
+            log.info("kvmesh: save copies run inline (the model has sliding-window layers)")
+            background = False
         self._idle_step = False  # the current step ran no forward pass (worker side)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(spec, connect, self.options, block_size, kv_role, background)
+            self._sched = SchedulerSide(specs, connect, self.options, block_size, kv_role, background)
             self.counts = self._sched.counts
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.info("kvmesh: setting kv_load_failure_policy to 'recompute' (a failed load is a cache miss)")
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
         else:
-            self._worker = WorkerSide(spec, connect, self.options, block_size, kv_role, group.layer_names,
-                                      background)
+            self._worker = WorkerSide(specs, connect, self.options, block_size, kv_role,
+                                      [g.layer_names for g in groups], background)
             self.counts = self._worker.counts
-        self.spec = spec
+        self.spec, self.specs = spec, specs
         log.info("kvmesh vLLM connector (%s) on node %s: %s", role.name, (self._sched or self._worker)
-                 .client(None).node_id, spec)
+                 .client(None).node_id, specs)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -155,7 +199,9 @@ class KVMeshConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:  # allocated() plans a job (a failing one at worst) and never raises
-            self._sched.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+            null = next((b.block_id for group in blocks.blocks for b in group if b.is_null), None)
+            self._sched.allocated(request, [list(ids) for ids in blocks.get_block_ids()], num_external_tokens,
+                                  null)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         got = self._guard("sources", {}, self._sched.sources, request, num_external_tokens)
@@ -175,6 +221,9 @@ class KVMeshConnector(KVConnectorBase_V1):
         # no guard: keeping blocks that no worker will report would leak them, and the check cannot fail
         return self._sched.finished(request), None
 
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
+        return self._sched.finished(request), None  # the same: loads and saves of every group end together
+
     # -- worker side ----------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
@@ -182,7 +231,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         if first.device.type == "cpu":
             s = self.spec
             writer = _cpu_writer(self._vllm_config, self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
-                                 s.head_dim, s.num_kv_heads)
+                                 s.head_dim, s.num_kv_heads)  # every group has this geometry
         self._worker.register(kv_caches, writer)  # a layout kvmesh cannot move is a configuration error: raise
 
     def handle_preemptions(self, kv_connector_metadata) -> None:

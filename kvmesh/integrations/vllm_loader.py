@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvmesh.integrations.vllm_scheduler import LoadJob
+from kvmesh.integrations.vllm_meta import LoadJob
 from kvmesh.paged import scatter_layer
 
 log = logging.getLogger("kvmesh.vllm")
@@ -37,6 +37,7 @@ class Fetch:
     group: bytes  # the prompt's directory group (its first chunk's hash)
     hashes: list[bytes]
     lora_id: str | None
+    kv_group: int  # the KV cache group the chunks belong to (index into the worker's specs)
     kv: torch.Tensor | None = None  # [L, 2, got * C, H, D] once done
     got: int = 0  # leading chunks that arrived intact
     unreachable: str = ""  # the holder node a short fetch could not reach (not for a corrupt chunk)
@@ -87,7 +88,7 @@ class Loader:
         need = []
         if job.end_chunk > job.first_chunk:
             toks = np.frombuffer(job.tokens, dtype="<u4")
-            hashes = w.client(job.lora_id).hashes(toks, job.salt)
+            hashes = w.client(job.lora_id, job.group).hashes(toks, job.salt)
             need, group = hashes[job.first_chunk:job.end_chunk], hashes[0]
         if not w.layers:
             need = []
@@ -97,7 +98,7 @@ class Loader:
                 hit = self.inflight.get(h)
                 if hit is None:
                     if fresh is None:
-                        fresh = Fetch(group, [], job.lora_id)
+                        fresh = Fetch(group, [], job.lora_id, job.group)
                         owned.append(fresh)
                     hit = (fresh, len(fresh.hashes))
                     fresh.hashes.append(h)
@@ -117,15 +118,17 @@ class Loader:
                 for f in ld.owned:
                     self._fetch(f)
             if isinstance(item, SyncBatch):
-                for i, ev in enumerate(item.layer_done):
+                for p, ev in enumerate(item.layer_done):  # in model layer order, whatever group each is in
+                    g, i = w.layer_pos[p]
                     with item.lock:
                         if item.cancelled:
                             return
                         for ld in loads:
-                            self._write(ld, range(i, i + 1))
+                            if ld.job.group == g:
+                                self._write(ld, range(i, i + 1))
                     ev.set()
             else:
-                self._write(item, range(len(w.layers)))
+                self._write(item, range(len(w.group_layers[item.job.group])))
         except Exception as e:
             log.warning("kvmesh: load failed: %s", e)
             w.count("vllm_errors_load")
@@ -142,9 +145,9 @@ class Loader:
 
     def _fetch(self, f: Fetch) -> None:
         w = self.worker
-        s, c = w.spec, w.chunk
+        s, c = w.specs[f.kv_group], w.chunk
         try:
-            client = w.client(f.lora_id)
+            client = w.client(f.lora_id, f.kv_group)
             with w.client_lock:
                 match = client.lookup_keys(f.group, f.hashes)
                 if match.num_chunks:
@@ -170,6 +173,7 @@ class Loader:
         that did not arrive are failed (vLLM recomputes from the first failed block anyway)."""
         w = self.worker
         job, m, c = ld.job, w.per_chunk, w.chunk
+        group_layers = w.group_layers[job.group]
         ok = 0
         limit = time.monotonic() + (w.options.fetch_timeout_s or 10.0) + WAIT_SLACK_S
         for f, i in ld.parts:  # fetches of loads queued earlier (or of this one): done, or failing by a deadline
@@ -188,10 +192,12 @@ class Loader:
             b0, b1 = j * m, min((j + k) * m, hi)
             for layer in layers:
                 src = f.kv[layer, :, start * c:start * c + (b1 - b0) * w.block_size]
-                scatter_layer(src, w.layers[layer], w.codec, ids[b0:b1], first=max(0, lo - b0))
+                scatter_layer(src, group_layers[layer], w.codec, ids[b0:b1], first=max(0, lo - b0))
             j += k
-        if layers.stop == len(w.layers):
+        if layers.stop == len(group_layers):
             w.count("vllm_loaded_chunks", ok)
+            if len(w.specs) > 1:
+                w.count(f"vllm_loaded_chunks_group{job.group}", ok)
             w.count("vllm_loaded_blocks", max(0, hi - lo))
 
     def _release(self, ld: Load) -> None:

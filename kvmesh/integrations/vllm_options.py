@@ -1,7 +1,12 @@
 """The vLLM connector's options (`kv_connector_extra_config`) and the kvmesh identity of a vLLM engine's KV.
 
     parse_options(extra) -> ConnectorOptions      type-checked options; a bad one is a ValueError naming it
-    spec_for_vllm(vllm_config, kv_cache_config, options, tp_rank, lora_id) -> KVSpec
+    groups_for_vllm(kv_cache_config) -> [KVGroup] the model's KV cache groups; a model feature kvmesh cannot move
+                                                  (Mamba state, chunked local attention, MLA, ...) is a ValueError
+                                                  naming it
+    specs_for_vllm(vllm_config, kv_cache_config, options, tp_rank, lora_id, kv_format) -> (KVSpec, ...)
+                                                  one spec per KV cache group, in vLLM's group order
+    spec_for_vllm(...) -> KVSpec                  the same for a model with one group
     model_identity(model_config, options) -> str  the spec's model_id
     request_salt(engine_salt, request_salt)       the kvmesh salt of one request
     lora_identity(lora_request) -> str            the spec's lora_id for a request's adapter
@@ -17,11 +22,12 @@ import os
 from dataclasses import dataclass
 
 from kvmesh.integrations.identity import local_model_id, model_fingerprint
-from kvmesh.spec import KVSpec
+from kvmesh.spec import KVFormat, KVGroup, KVSpec, group_specs
 
 DEFAULT_CHUNK_TOKENS = 256
 LOAD_MODES = ("async", "sync")
 SAVE_COPIES = ("inline", "background")
+KV_FORMATS = ("engine", "neutral")
 
 
 @dataclass(frozen=True)
@@ -38,11 +44,15 @@ class ConnectorOptions:
     fetch_timeout_s: float | None = None  # deadline of one load (default: the kvmesh config's fetch_timeout_s)
     save_copy: str | None = None  # "inline": saves copy blocks to staging in the step loop; "background": on the
     # saver thread (or a side stream), vLLM keeping the blocks until then. Default: inline on CPU, else background
+    kv_format: str = "engine"  # "engine": the chunks' identity names vLLM, its block layout (the CPU packing kvmesh
+    # learned, or the GPU layout) and this connector's format version, so only engines that write alike share;
+    # "neutral": kvmesh's engine-neutral chunks, shared with any integration of the same spec (a transformers
+    # worker with kv_format=None), trusting both to write the same bytes
 
 
 _KINDS = {"ray_address": str, "ray_node_id": str, "redis_url": str, "cache_salt": str, "model_id": str,
           "model_revision": str, "chunk_tokens": int, "load_mode": str, "cost_model": bool,
-          "fetch_timeout_s": (int, float), "save_copy": str}
+          "fetch_timeout_s": (int, float), "save_copy": str, "kv_format": str}
 # keys that are vLLM's or another connector's, not ours (MultiConnector passes its own through)
 _FOREIGN = ("connectors",)
 
@@ -74,6 +84,9 @@ def parse_options(extra: dict | None) -> ConnectorOptions:
     if out.get("save_copy", "inline") not in SAVE_COPIES:
         raise ValueError(f"kvmesh vLLM connector: kv_connector_extra_config['save_copy'] must be one of "
                          f"{SAVE_COPIES}, got {out['save_copy']!r}")
+    if out.get("kv_format", "engine") not in KV_FORMATS:
+        raise ValueError(f"kvmesh vLLM connector: kv_connector_extra_config['kv_format'] must be one of "
+                         f"{KV_FORMATS}, got {out['kv_format']!r}")
     if "\x00" in out.get("cache_salt", ""):
         raise ValueError("kvmesh vLLM connector: kv_connector_extra_config['cache_salt'] must not contain NUL")
     return ConnectorOptions(**out)
@@ -122,19 +135,69 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def spec_for_vllm(vllm_config, kv_cache_config, options: ConnectorOptions, tp_rank: int = 0,
-                  lora_id: str | None = None, model_id: str | None = None) -> KVSpec:
-    """The spec of the KV this engine (TP shard `tp_rank`) caches: one full-attention KV cache group, heads per
-    shard, KV dtype, chunk tokens a multiple of the block size. `model_id`, when given, skips deriving it again."""
+def layer_index(name: str) -> int:
+    """The model layer index in a vLLM attention layer name ("model.layers.3.self_attn.attn" -> 3)."""
+    ints = [int(x) for x in name.split(".") if x.isdigit()]
+    if len(ints) != 1:
+        raise ValueError(f"kvmesh vLLM connector: cannot tell the layer index of {name!r}")
+    return ints[0]
+
+
+# vLLM KV cache spec class -> the model feature it stands for, for those kvmesh cannot move
+_UNSUPPORTED = {"MambaSpec": "Mamba / state-space layers (a recurrent state, not per-token K/V)",
+                "ChunkedLocalAttentionSpec": "chunked local attention (Llama-4-style)",
+                "MLAAttentionSpec": "MLA (latent KV, DeepSeek-style)",
+                "CrossAttentionSpec": "cross-attention (encoder-decoder models)",
+                "EncoderOnlyAttentionSpec": "encoder-only attention"}
+
+
+def groups_for_vllm(kv_cache_config) -> list[KVGroup]:
+    """The model's KV cache groups as kvmesh describes them. vLLM's hybrid allocator gives full-attention and
+    sliding-window layers groups of their own (with it off, a sliding-window layer is kept whole, and kvmesh moves
+    it as the full-attention memory it then is). Everything else is refused here, naming the model feature."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"kvmesh vLLM connector: the model has {len(groups)} KV cache groups; only models with "
-                         f"one full-attention group are supported (hybrid / sliding-window / Mamba are not)")
-    kv = groups[0].kv_cache_spec
-    if type(kv).__name__ != "FullAttentionSpec" or getattr(kv, "sliding_window", None):
-        raise ValueError(f"kvmesh vLLM connector: only full attention is supported, got {type(kv).__name__}")
-    if getattr(kv, "head_size_v", kv.head_size) != kv.head_size:
-        raise ValueError("kvmesh vLLM connector: K and V head sizes differ (MLA-like); kvmesh chunks hold equal K/V")
+    if not groups:
+        raise ValueError("kvmesh vLLM connector: the model has no KV cache groups (attention-free models are "
+                         "not supported)")
+    out = []
+    for i, g in enumerate(groups):
+        kv = g.kv_cache_spec
+        kind = type(kv).__name__
+        if kind in _UNSUPPORTED:
+            raise ValueError(f"kvmesh vLLM connector: the model has {_UNSUPPORTED[kind]} (KV cache group {i}, "
+                             f"{kind}), which kvmesh does not support")
+        if kind not in ("FullAttentionSpec", "SlidingWindowSpec"):
+            raise ValueError(f"kvmesh vLLM connector: KV cache group {i} is a {kind}; only full attention and "
+                             f"sliding-window attention are supported")
+        if getattr(kv, "head_size_v", kv.head_size) != kv.head_size:
+            raise ValueError("kvmesh vLLM connector: K and V head sizes differ (MLA-like); kvmesh chunks hold "
+                             "equal K/V")
+        if getattr(kv, "extra_retained_tokens", 0):
+            raise ValueError("kvmesh vLLM connector: sliding-window layers that retain extra tokens (multi-module "
+                             "speculative decoding) are not supported")
+        layers = tuple(layer_index(n) for n in g.layer_names)
+        if kind == "SlidingWindowSpec":
+            out.append(KVGroup(i, "sliding_window", int(kv.sliding_window), layers))
+        else:
+            out.append(KVGroup(i, "full", 0, layers))
+    first = groups[0].kv_cache_spec
+    for i, g in enumerate(groups):
+        kv = g.kv_cache_spec
+        if (kv.block_size, kv.num_kv_heads, kv.head_size, kv.dtype) != (first.block_size, first.num_kv_heads,
+                                                                        first.head_size, first.dtype):
+            raise ValueError(f"kvmesh vLLM connector: KV cache group {i} has another block size, head count, head "
+                             f"size or dtype than group 0; kvmesh needs them alike across groups")
+    return out
+
+
+def specs_for_vllm(vllm_config, kv_cache_config, options: ConnectorOptions, tp_rank: int = 0,
+                   lora_id: str | None = None, model_id: str | None = None,
+                   kv_format: KVFormat | None = None) -> tuple[KVSpec, ...]:
+    """The specs of the KV this engine (TP shard `tp_rank`) caches, one per KV cache group (a model with one
+    full-attention group: one plain spec): heads per shard, KV dtype, chunk tokens a multiple of the block size,
+    `kv_format` (None when the options say "neutral"). `model_id`, when given, skips deriving it again."""
+    groups = groups_for_vllm(kv_cache_config)
+    kv = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     parallel = vllm_config.parallel_config
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         raise ValueError("kvmesh vLLM connector: pipeline parallelism is not supported")
@@ -153,9 +216,21 @@ def spec_for_vllm(vllm_config, kv_cache_config, options: ConnectorOptions, tp_ra
         compute = _dtype_name(vllm_config.model_config.dtype)
         if compute != kv_dtype:  # the same weights give other KV values in another compute dtype
             model_id += f"#compute={compute}"
-    return KVSpec(model_id=model_id, num_layers=len(groups[0].layer_names), num_kv_heads=kv.num_kv_heads,
+    base = KVSpec(model_id=model_id, num_layers=len(groups[0].layers), num_kv_heads=kv.num_kv_heads,
                   head_dim=kv.head_size, dtype=kv_dtype, chunk_tokens=chunk, tp_rank=tp_rank,
-                  tp_size=getattr(parallel, "tensor_parallel_size", 1), lora_id=lora_id)
+                  tp_size=getattr(parallel, "tensor_parallel_size", 1), lora_id=lora_id,
+                  kv_format=kv_format if options.kv_format == "engine" else None)
+    return group_specs(base, groups)
+
+
+def spec_for_vllm(vllm_config, kv_cache_config, options: ConnectorOptions, tp_rank: int = 0,
+                  lora_id: str | None = None, model_id: str | None = None,
+                  kv_format: KVFormat | None = None) -> KVSpec:
+    """`specs_for_vllm` for a model with one KV cache group."""
+    specs = specs_for_vllm(vllm_config, kv_cache_config, options, tp_rank, lora_id, model_id, kv_format)
+    if len(specs) != 1:
+        raise ValueError(f"kvmesh vLLM connector: the model has {len(specs)} KV cache groups (use specs_for_vllm)")
+    return specs[0]
 
 
 def lora_identity(lora_request, fingerprints: dict[str, str]) -> str | None:

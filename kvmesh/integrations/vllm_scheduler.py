@@ -17,6 +17,15 @@ Saves: each step, the prompt chunks that become fully computed in it are saved b
 forward pass (only prompt tokens: output tokens of an async-scheduled step may not be known here yet). When the
 workers copy them out of the blocks after the step (`save_copy="background"`), a finished request's blocks stay
 allocated until the workers report that its copies are done.
+
+KV cache groups. A model with several groups (vLLM's hybrid allocator: full-attention and sliding-window layers)
+has one spec per group, and every chunk of every group is its own kvmesh chunk. A hit must hold in every group:
+full-attention groups need every chunk from the first one vLLM lacks; a sliding-window group only the chunks its
+window reaches back to from the hit's end (`KVSpec.window_start_chunk`), which are also the only ones of it that
+vLLM keeps (the blocks before are its null block) and the only ones loaded. Saves of a sliding-window group cover
+the chunks within the window of the prompt's last chunk boundaries (what a later prompt sharing this one, or
+extending it, needs), not the whole prompt. The lookup is one directory round trip per group (the first group's
+gives the cost model's plan), and one more for a group whose window moved when another group cut the hit short.
 """
 
 from __future__ import annotations
@@ -26,63 +35,13 @@ import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from kvmesh.integrations.vllm_meta import LoadJob, SaveJob, StepMeta, WorkerReport
 from kvmesh.integrations.vllm_options import ConnectorOptions, lora_identity, request_salt
 from kvmesh.tiers import TIER_DISK
 
 log = logging.getLogger("kvmesh.vllm")
 DIRECTORY_RETRY_S = 5.0  # after a lookup found the directory away, requests go without kvmesh this long
-
-
-@dataclass
-class LoadJob:
-    """Fetch chunks [first_chunk, end_chunk) of a prompt and write them into its blocks."""
-
-    req_id: str
-    tokens: bytes  # the prompt's token ids through chunk end_chunk, little-endian uint32 (for the chunk hashes)
-    first_chunk: int
-    end_chunk: int
-    block_ids: list[int]  # the engine blocks of chunks [first_chunk, end_chunk), in token order
-    skip_blocks: int  # leading blocks of block_ids vLLM already has (its own prefix cache): never written
-    fill_blocks: int  # block_ids[skip_blocks:fill_blocks] are written; vLLM treats them as computed
-    salt: str | None
-    lora_id: str | None
-    sync: bool  # written during this step's forward pass (layer by layer) instead of between steps
-
-
-@dataclass
-class SaveJob:
-    """Save chunks [first_chunk, end_chunk) of a prompt, computed by the end of this step, from its blocks."""
-
-    req_id: str
-    tokens: bytes
-    first_chunk: int
-    end_chunk: int
-    block_ids: list[int]
-    salt: str | None
-    lora_id: str | None
-
-
-@dataclass
-class StepMeta(KVConnectorMetadata):
-    loads: list[LoadJob] = field(default_factory=list)
-    saves: list[SaveJob] = field(default_factory=list)
-    preempted: set[str] = field(default_factory=set)  # requests whose blocks vLLM reuses from this step on
-    prefill: tuple[int, int] | None = None  # (new, past) tokens when the step is one prompt's prefill, from 0
-
-
-@dataclass
-class WorkerReport(KVConnectorWorkerMetadata):
-    """Measurements the workers send back for the scheduler's cost model."""
-
-    prefills: list[tuple[int, int, float]] = field(default_factory=list)  # (new, past, seconds)
-    transfers: list[tuple[str, int, float]] = field(default_factory=list)  # (source, bytes, seconds)
-    failed_loads: list[tuple[str, str]] = field(default_factory=list)  # (request, unreachable holder node or "")
-
-    def aggregate(self, other: "WorkerReport") -> "WorkerReport":
-        return WorkerReport(self.prefills + other.prefills, self.transfers + other.transfers,
-                            self.failed_loads + other.failed_loads)
 
 
 @dataclass(slots=True)
@@ -93,20 +52,29 @@ class _Request:
     salt: str | None
     lora_id: str | None
     skip: str  # why kvmesh leaves it alone ("multimodal", "prompt_embeds"), "" when it does not
-    hashes: list[bytes] | None = None  # chunk hashes of the prompt under its spec, computed on first need
-    match: object | None = None  # the last lookup's Match (chunks from `match_first` on)
+    hashes: dict[int, list[bytes]] = field(default_factory=dict)  # group -> chunk hashes of the prompt under
+    # that group's spec, computed on first need
+    match: object | None = None  # the last lookup's Match in the first group (chunks from `match_first` on)
     match_first: int = 0
     local: int = 0  # vLLM's own computed tokens at that lookup
+    hit_end: int = 0  # the chunk the last lookup's hit ends at (every group holds what it needs up to there)
     saved: int | None = None  # prompt chunks present in kvmesh or saved by now; None until first scheduled
     had_save: bool = False  # a background-copy save was handed to the workers: keep the blocks until they report
     loading: bool = False  # an asynchronous load was handed to the workers and has not ended
     load_failed: bool = False  # a load of it failed: vLLM recomputes, and it is never offered a load again
 
 
+MAX_LOOKUP_ROUNDS = 8  # groups cutting each other's hit short: give up (no hit) after this many rounds
+
+
 class SchedulerSide:
-    def __init__(self, spec, connect, options: ConnectorOptions, block_size: int, kv_role: str,
+    def __init__(self, specs, connect, options: ConnectorOptions, block_size: int, kv_role: str,
                  background_copy: bool) -> None:
-        self.spec = spec
+        self.specs = tuple(specs)  # one per KV cache group, in vLLM's group order
+        spec = self.spec = self.specs[0]
+        # lookup order: full-attention groups first (their hits are prefixes), then sliding windows, widest first
+        self.order = sorted(range(len(self.specs)), key=lambda g: (self.specs[g].window != 0,
+                                                                    -self.specs[g].window, g))
         self.background_copy = background_copy  # saves read blocks after the step: keep finished ones for them
         self.options = options
         self.block_size = block_size
@@ -115,8 +83,9 @@ class SchedulerSide:
         self.load = kv_role in ("kv_both", "kv_consumer")
         self.save = kv_role in ("kv_both", "kv_producer")
         self._connect = connect  # spec -> KVMeshClient
-        self._clients = {None: connect(spec)}
-        self.counts = self._clients[None].counts  # shared by every client of this side (one per LoRA adapter)
+        self._clients = {(None, 0): connect(spec)}
+        self.counts = self._clients[(None, 0)].counts  # shared by every client of this side (one per LoRA adapter
+        # and group)
         self._reqs: dict[str, _Request] = {}
         self._loads: list[LoadJob] = []  # planned since the last step was built
         self._fingerprints: dict[str, str] = {}
@@ -125,12 +94,12 @@ class SchedulerSide:
         self._unreachable: dict[str, float] = {}
         self._directory_down_until = 0.0  # after a failed lookup, new requests skip kvmesh until then
 
-    def client(self, lora_id: str | None):
-        c = self._clients.get(lora_id)
+    def client(self, lora_id: str | None, group: int = 0):
+        c = self._clients.get((lora_id, group))
         if c is None:
-            c = self._clients[lora_id] = self._connect(replace(self.spec, lora_id=lora_id))
+            c = self._clients[(lora_id, group)] = self._connect(replace(self.specs[group], lora_id=lora_id))
             c.counts = self.counts
-            c.cost = self._clients[None].cost  # an adapter barely changes the prefill and not the links
+            c.cost = self._clients[(None, 0)].cost  # an adapter barely changes the prefill and not the links
         return c
 
     # -- lookup ---------------------------------------------------------------------------------------------------
@@ -149,14 +118,15 @@ class SchedulerSide:
             self._reqs[request.request_id] = st
         return st
 
-    def _hashes(self, st: _Request) -> list[bytes]:
-        if st.hashes is None:
-            st.hashes = self.client(st.lora_id).hashes(st.tokens, st.salt)
-        return st.hashes
+    def _hashes(self, st: _Request, group: int = 0) -> list[bytes]:
+        h = st.hashes.get(group)
+        if h is None:
+            h = st.hashes[group] = self.client(st.lora_id, group).hashes(st.tokens, st.salt)
+        return h
 
     def lookup(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._track(request)
-        st.match = None
+        st.match, st.hit_end = None, 0
         if not self.load or st.skip or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         if st.load_failed:
@@ -171,32 +141,76 @@ class SchedulerSide:
         if now < self._directory_down_until:  # no lookup timeout per request while the directory is away
             self.counts["vllm_skip_directory_down"] += 1
             return 0, False
-        client = self.client(st.lora_id)
         errors = self.counts["directory_errors"]
-        if first == 0:  # also detects another spec of this model holding the prefix ("spec_mismatch")
-            match = client.lookup(st.tokens, st.salt, max_chunks=last, allow_split=False,
+        found: dict[tuple[int, int], tuple[int, int, object]] = {}  # (group, lo) -> (asked end, present, Match)
+        plan_box: list = []
+        end = self._converge(st, first, last, found, plan_box)
+        plan, first_lo = plan_box[0] if plan_box else (None, first)
+        g0 = self.order[0]
+        lo0 = first if not self.specs[g0].window else max(first, self.specs[g0].window_start_chunk(end * c))
+        if end > first and self.options.cost_model and plan is not None:
+            if first_lo + plan.end < end:  # the cost model says recomputing the rest is cheaper
+                self.counts["vllm_cost_model_cut_chunks"] += end - first_lo - plan.end
+                end = self._converge(st, first, first_lo + plan.end, found, plan_box)
+                lo0 = first if not self.specs[g0].window else max(first,
+                                                                  self.specs[g0].window_start_chunk(end * c))
+        if self.counts["directory_errors"] > errors:
+            self._directory_down_until = time.monotonic() + DIRECTORY_RETRY_S
+        self.counts["vllm_lookup_tokens"] += n - num_computed_tokens
+        external = end * c - num_computed_tokens
+        if end <= first or external <= 0:
+            return 0, False
+        hit = found.get((g0, lo0))
+        st.match = hit[2].truncate(end - lo0) if hit is not None else None
+        st.match_first, st.local, st.hit_end = lo0, num_computed_tokens, end
+        self.counts["vllm_hit_tokens"] += external
+        return external, self.options.load_mode == "async"
+
+    def _converge(self, st: _Request, first: int, end: int, found: dict, plan_box: list) -> int:
+        """The largest hit end (in chunks, <= `end`) that every group can serve: full-attention groups all chunks
+        from `first`, sliding-window groups those their window needs. `found` caches what was looked up."""
+        c = self.chunk
+        for _ in range(MAX_LOOKUP_ROUNDS):
+            start = end
+            for g in self.order:
+                spec = self.specs[g]
+                lo = first if not spec.window else max(first, spec.window_start_chunk(end * c))
+                if lo >= end:
+                    continue  # a window of one token needs no chunk at all
+                end = min(end, lo + self._present(st, g, lo, end, found, plan_box))
+                if end <= first:
+                    return first
+            if end == start:
+                return end
+        self.counts["vllm_lookup_no_convergence"] += 1
+        return first
+
+    def _present(self, st: _Request, g: int, lo: int, end: int, found: dict, plan_box: list) -> int:
+        """How many chunks of group `g` from chunk `lo` on (of those before `end`) some reachable node holds:
+        one directory round trip, unless an earlier lookup from `lo` already covered `end`."""
+        hit = found.get((g, lo))
+        if hit is not None and hit[0] >= end:
+            return min(hit[1], end - lo)
+        client = self.client(st.lora_id, g)
+        n = len(st.tokens)
+        plan = None
+        if lo == 0 and not self.specs[g].window and not plan_box:
+            # from the prompt's start: also detects another spec of this model holding it ("spec_mismatch")
+            match = client.lookup(st.tokens, st.salt, max_chunks=end, allow_split=False,
                                   cost_model=self.options.cost_model)
             plan = match.plan
         else:
-            hashes = self._hashes(st)
-            match = client.lookup_keys(hashes[0], hashes[first:last])
-            plan = (client.plan(match, n - first * c, allow_split=False)
-                    if match.num_chunks and self.options.cost_model else None)
-        if self.counts["directory_errors"] > errors:
-            self._directory_down_until = time.monotonic() + DIRECTORY_RETRY_S
+            hashes = self._hashes(st, g)
+            match = client.lookup_keys(hashes[0], hashes[lo:end])
+            if not plan_box and match.num_chunks and self.options.cost_model:
+                plan = client.plan(match, n - lo * self.chunk, allow_split=False)
+        if not plan_box:
+            plan_box.append((plan, lo))
         k = self._reachable(match)
         if k < match.num_chunks:
             self.counts["vllm_cut_unreachable_chunks"] += match.num_chunks - k
-        if k and self.options.cost_model and plan is not None and plan.end < k:
-            self.counts["vllm_cost_model_cut_chunks"] += k - plan.end
-            k = plan.end
-        self.counts["vllm_lookup_tokens"] += n - num_computed_tokens
-        external = (first + k) * c - num_computed_tokens
-        if external <= 0:
-            return 0, False
-        st.match, st.match_first, st.local = match.truncate(k), first, num_computed_tokens
-        self.counts["vllm_hit_tokens"] += external
-        return external, self.options.load_mode == "async"
+        found[(g, lo)] = (end, k, match)
+        return k
 
     def _reachable(self, match) -> int:
         """Leading chunks of `match` with a holder that no worker recently failed to reach."""
@@ -215,7 +229,7 @@ class SchedulerSide:
         out: dict[str, int] = {}
         if st is None or st.match is None:
             return out
-        node = self.client(st.lora_id).node_id
+        node = self.client(st.lora_id, self.order[0]).node_id
         lo, hi = st.local, st.local + num_external_tokens
         for i, ch in enumerate(st.match.chunks):
             a, b = (st.match_first + i) * self.chunk, (st.match_first + i + 1) * self.chunk
@@ -226,39 +240,49 @@ class SchedulerSide:
         return {k: v for k, v in out.items() if v}
 
     # -- planning -------------------------------------------------------------------------------------------------
-    def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
-        """vLLM allocated blocks for `num_external_tokens` after the local hit: plan the load. Never fails: a load
-        that cannot be planned still becomes a job, which the workers report as failed (vLLM recomputes it)."""
+    def allocated(self, request, block_ids, num_external_tokens: int, null_block: int | None = None) -> None:
+        """vLLM allocated blocks for `num_external_tokens` after the local hit: plan the loads, one per KV cache
+        group. `block_ids[g]` are group g's blocks (a single list: group 0 of a one-group model); `null_block` is
+        the id of vLLM's null block, which stands for the blocks a sliding window does not keep (never loaded).
+        Never fails: a load that cannot be planned still becomes a job, which the workers report as failed (vLLM
+        recomputes it)."""
         if num_external_tokens <= 0:
             return
+        if block_ids and not isinstance(block_ids[0], (list, tuple)):
+            block_ids = [block_ids]
         try:
-            self._allocated(request, block_ids, num_external_tokens)
+            self._allocated(request, block_ids, num_external_tokens, null_block)
         except Exception as e:  # vLLM now waits for these blocks: a job must report them, as failed
             log.warning("kvmesh: planning the load of %s failed: %s", request.request_id, e)
             self.counts["vllm_errors_alloc"] += 1
             st = self._reqs.get(request.request_id)
-            local = st.local if st is not None and st.match is not None else 0
+            local = st.local if st is not None else 0
             lo, hi = local // self.block_size, (local + num_external_tokens) // self.block_size
             sync = self.options.load_mode == "sync"
-            self._loads.append(LoadJob(request.request_id, b"", 0, 0, list(block_ids[:hi]), lo, hi, None, None,
-                                       sync))
+            for g, ids in enumerate(block_ids):
+                self._loads.append(LoadJob(request.request_id, b"", 0, 0, list(ids[:hi]), lo, hi, None, None,
+                                           sync, g))
             if st is not None:
                 st.loading = not sync
 
-    def _allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+    def _allocated(self, request, block_ids, num_external_tokens: int, null_block: int | None) -> None:
         st = self._track(request)
         bs, m = self.block_size, self.per_chunk
-        local = st.local if st.match is not None else 0
-        first = local // self.chunk
+        local = st.local
         fill_end = (local + num_external_tokens) // bs  # blocks [.., fill_end) become computed
-        end = -(-fill_end // m) if st.match is not None else first
-        end = min(end, first + (st.match.num_chunks if st.match is not None else 0))
-        job = LoadJob(request.request_id, st.tokens[:end * self.chunk].tobytes(), first, end,
-                      list(block_ids[first * m:first * m + max(fill_end - first * m, 0)]),
-                      skip_blocks=local // bs - first * m, fill_blocks=fill_end - first * m, salt=st.salt,
-                      lora_id=st.lora_id, sync=self.options.load_mode == "sync")
-        self._loads.append(job)
-        st.loading = not job.sync
+        end = min(-(-fill_end // m), st.hit_end)
+        sync = self.options.load_mode == "sync"
+        for g, ids in enumerate(block_ids):
+            live = local // bs  # the first block vLLM keeps after its own hit
+            while null_block is not None and live < fill_end and ids[live] == null_block:
+                live += 1
+            first = min(live // m, end)
+            job = LoadJob(request.request_id, st.tokens[:end * self.chunk].tobytes(), first, end,
+                          list(ids[first * m:first * m + max(fill_end - first * m, 0)]),
+                          skip_blocks=live - first * m, fill_blocks=fill_end - first * m, salt=st.salt,
+                          lora_id=st.lora_id, sync=sync, group=g)
+            self._loads.append(job)
+        st.loading = not sync
         reused = self.sources(request, num_external_tokens)
         self.client(st.lora_id).record_request(reused.get("host", 0), reused.get("p2p", 0) + reused.get("disk", 0),
                                                max(0, len(st.tokens) - local - num_external_tokens))
@@ -296,11 +320,23 @@ class SchedulerSide:
                 self.counts["vllm_save_no_blocks"] += 1
                 continue
             m = self.per_chunk
-            meta.saves.append(SaveJob(req_id, st.tokens[:done * self.chunk].tobytes(), st.saved, done,
-                                      list(ids[0][st.saved * m:done * m]), st.salt, st.lora_id))
+            tokens = st.tokens[:done * self.chunk].tobytes()
+            for g, spec in enumerate(self.specs):
+                lo = max(st.saved, self._window_save_start(spec, len(st.tokens)))
+                if lo < done:
+                    meta.saves.append(SaveJob(req_id, tokens, lo, done, list(ids[g][lo * m:done * m]), st.salt,
+                                              st.lora_id, g))
             st.saved = done
             st.had_save = st.had_save or self.background_copy
         return meta
+
+    def _window_save_start(self, spec, prompt_tokens: int) -> int:
+        """The first chunk of a prompt a group saves: 0 for full attention; for a sliding window, the first chunk
+        the window reaches back to from the prompt's last hit boundary (a later request repeating the prompt
+        loads up to there; one extending it, from its last full chunk on, needs less)."""
+        if not spec.window:
+            return 0
+        return spec.window_start_chunk(((prompt_tokens - 1) // self.chunk) * self.chunk)
 
     # -- completion -----------------------------------------------------------------------------------------------
     def worker_output(self, finished_recving, report: WorkerReport | None) -> None:
@@ -309,7 +345,7 @@ class SchedulerSide:
             if st is not None:
                 st.loading = False
         if report is not None:
-            client = self._clients[None]
+            client = self._clients[(None, 0)]
             for req_id, node in report.failed_loads:
                 st = self._reqs.get(req_id)
                 if st is not None:

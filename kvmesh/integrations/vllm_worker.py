@@ -1,6 +1,7 @@
 """The worker side of the vLLM connector: moves chunks between kvmesh and vLLM's paged KV cache.
 
-    register(kv_caches)                  vLLM's per-layer cache tensors; learns the block layout (kvmesh.paged)
+    register(kv_caches)                  vLLM's per-layer cache tensors of every KV cache group; learns the block
+                                         layout (kvmesh.paged)
     begin_step(meta)                     start of a step: waits for saves still reading blocks vLLM now reuses
                                          (preempted requests)
     start_loads(meta)                    hands the step's loads to the loader thread (idempotent per step)
@@ -35,8 +36,13 @@ import torch
 from kvmesh.integrations.vllm_loader import WAIT_SLACK_S, Load, Loader, SyncBatch
 
 IDLE_WAIT_S = 0.02  # at most this long per empty engine step, waiting for an asynchronous load to end
+<<<<<<< HEAD
 from kvmesh.integrations.vllm_scheduler import SaveJob, StepMeta, WorkerReport
 from kvmesh.paged import HeadMajorCodec, SplitKVCodec, gather_chunks, learn_codec
+=======
+from kvmesh.integrations.vllm_meta import SaveJob, StepMeta, WorkerReport
+from kvmesh.paged import HeadMajorCodec, gather_chunks, learn_codec
+>>>>>>> engines
 
 log = logging.getLogger("kvmesh.vllm")
 
@@ -77,24 +83,31 @@ class _LayerDone(threading.Event):
 
 
 class WorkerSide:
-    def __init__(self, spec, connect, options, block_size: int, kv_role: str, layer_names: list[str],
+    """`specs[g]` and `layer_names[g]` are KV cache group g's spec and attention layers (vLLM's group order)."""
+
+    def __init__(self, specs, connect, options, block_size: int, kv_role: str, layer_names: list[list[str]],
                  background_copy: bool) -> None:
-        self.spec, self.options, self.block_size = spec, options, block_size
+        self.specs = tuple(specs)
+        spec = self.spec = self.specs[0]
+        self.options, self.block_size = options, block_size
         self.background_copy = background_copy  # see vllm_options.background_save_copy
         self.chunk = spec.chunk_tokens
         self.per_chunk = self.chunk // block_size
         self.save = kv_role in ("kv_both", "kv_producer")
         self._connect = connect
-        self._clients = {None: connect(spec)}
-        self.counts: Counter[str] = self._clients[None].counts
-        self._layer_names = list(layer_names)
-        self.layers: list[torch.Tensor] = []
-        self.layer_of: dict[str, int] = {}
+        self._clients = {(None, 0): connect(spec)}
+        self.counts: Counter[str] = self._clients[(None, 0)].counts
+        self._layer_names = [list(names) for names in layer_names]
+        self.layers: list[torch.Tensor] = []  # every attention layer's cache, in model layer order
+        self.layer_pos: list[tuple[int, int]] = []  # position in `layers` -> (group, index in the group)
+        self.group_layers: list[list[torch.Tensor]] = []  # per group, its layers in model order
+        self.layer_of: dict[str, int] = {}  # layer name -> position in `layers`
         self.codec = None
         self.client_lock = threading.Lock()
         self.mu = threading.Condition()
         self._recved: list[str] = []  # asynchronous loads that ended, not yet reported
         self._async_loads = 0  # asynchronous loads queued and not ended
+        self._req_loads: Counter[str] = Counter()  # request -> its asynchronous loads (one per group) not ended
         self._errors: set[int] = set()  # failed blocks not yet reported
         self._reported_errors: set[int] = set()  # taken with the finished loads, returned by load_errors()
         self._pending_saves: Counter[str] = Counter()  # save jobs whose blocks have not been read yet
@@ -110,10 +123,10 @@ class WorkerSide:
                                        name="kvmesh-vllm-save", daemon=True)
         self._saver.start()
 
-    def client(self, lora_id: str | None):
-        c = self._clients.get(lora_id)
+    def client(self, lora_id: str | None, group: int = 0):
+        c = self._clients.get((lora_id, group))
         if c is None:
-            c = self._clients[lora_id] = self._connect(replace(self.spec, lora_id=lora_id))
+            c = self._clients[(lora_id, group)] = self._connect(replace(self.specs[group], lora_id=lora_id))
             c.counts = self.counts
         return c
 
@@ -123,11 +136,13 @@ class WorkerSide:
 
     # -- registration ---------------------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor], cpu_writer=None) -> None:
-        """Take vLLM's per-layer caches (views of its paged buffers) and learn their block layout: on the CPU
-        by writing known K/V through vLLM's own kernel (`cpu_writer`), elsewhere vLLM's logical
+        """Take vLLM's per-layer caches (views of its paged buffers; with the hybrid allocator, layers of
+        different groups may share one buffer, their block ids never overlap) and learn their block layout: on
+        the CPU by writing known K/V through vLLM's own kernel (`cpu_writer`), elsewhere vLLM's logical
         [blocks, heads, block_size, 2 * head_dim] view (see kvmesh.paged)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
+<<<<<<< HEAD
         names = sorted((n for n in self._layer_names if n in kv_caches), key=extract_layer_index)
         if len(names) != self.spec.num_layers:
             raise ValueError(f"kvmesh vLLM connector: {len(names)} of the {self.spec.num_layers} attention layers "
@@ -139,18 +154,34 @@ class WorkerSide:
                 SplitKVCodec(bs, s.num_kv_heads, s.head_dim)
             self.layer_of = {n: i for i, n in enumerate(names)}
             return
+=======
+        s, bs = self.spec, self.block_size  # every group has this geometry (vllm_options.groups_for_vllm)
+>>>>>>> engines
         shape = (s.num_kv_heads, bs, 2 * s.head_dim)
-        for n, t in zip(names, layers):
-            if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.dtype != s.torch_dtype:
-                raise ValueError(f"kvmesh vLLM connector: layer {n} has a {t.dtype} cache of shape "
-                                 f"{list(t.shape)}; expected [blocks, {', '.join(map(str, shape))}] {s.dtype}")
+        order, group_layers = [], []
+        for g, names in enumerate(self._layer_names):
+            names = sorted((n for n in names if n in kv_caches), key=extract_layer_index)
+            if len(names) != self.specs[g].num_layers:
+                raise ValueError(f"kvmesh vLLM connector: {len(names)} of the {self.specs[g].num_layers} attention "
+                                 f"layers of KV cache group {g} have a KV cache")
+            for n in names:
+                t = kv_caches[n]
+                if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.dtype != s.torch_dtype:
+                    raise ValueError(f"kvmesh vLLM connector: layer {n} has a {t.dtype} cache of shape "
+                                     f"{list(t.shape)}; expected [blocks, {', '.join(map(str, shape))}] {s.dtype}")
+            group_layers.append([kv_caches[n] for n in names])
+            order += [(extract_layer_index(n), n, g, i) for i, n in enumerate(names)]
+        order.sort()
+        layers = [group_layers[g][i] for _, _, g, i in order]
         if layers[0].device.type == "cpu":
             if not all(t.is_contiguous() for t in layers):
                 raise ValueError("kvmesh vLLM connector: vLLM's CPU caches are not contiguous per block")
             self.codec = learn_codec(cpu_writer, shape, bs, s.num_kv_heads, s.head_dim, s.torch_dtype)
         else:
             self.codec = HeadMajorCodec(bs, s.num_kv_heads, s.head_dim)
-        self.layers, self.layer_of = layers, {n: i for i, n in enumerate(names)}
+        self.group_layers, self.layers = group_layers, layers
+        self.layer_pos = [(g, i) for _, _, g, i in order]
+        self.layer_of = {n: p for p, (_, n, _, _) in enumerate(order)}
 
     # -- step -----------------------------------------------------------------------------------------------------
     def begin_step(self, meta: StepMeta) -> None:
@@ -167,7 +198,10 @@ class WorkerSide:
             return
         self._started = meta
         with self.mu:  # each ends with one report_load(async_done=True), planned or not
-            self._async_loads += sum(1 for job in meta.loads if not job.sync)
+            for job in meta.loads:
+                if not job.sync:
+                    self._async_loads += 1
+                    self._req_loads[job.req_id] += 1
         loads = []
         for job in meta.loads:
             try:
@@ -310,16 +344,21 @@ class WorkerSide:
                 self.counts["vllm_load_failed_chunks"] += -(-len(failed) // self.per_chunk)
                 node = next((f.unreachable for f, i in ld.parts if i >= f.got and f.unreachable), "")
                 self.report.failed_loads.append((job.req_id, node))
-            if async_done:
-                self._recved.append(job.req_id)
+            if async_done:  # a request's load ends when its last group's does
+                self._req_loads[job.req_id] -= 1
+                if self._req_loads[job.req_id] <= 0:
+                    del self._req_loads[job.req_id]
+                    self._recved.append(job.req_id)
                 self._async_loads -= 1
                 self.mu.notify_all()
 
     # -- saves ----------------------------------------------------------------------------------------------------
     def _gather(self, job: SaveJob) -> torch.Tensor:
         n = job.end_chunk - job.first_chunk
-        staging = torch.empty((n, *self.spec.chunk_shape), dtype=self.spec.torch_dtype, device=self.layers[0].device)
-        return gather_chunks(self.layers, self.codec, torch.tensor(job.block_ids, dtype=torch.long), staging)
+        spec = self.specs[job.group]
+        staging = torch.empty((n, *spec.chunk_shape), dtype=spec.torch_dtype, device=self.layers[0].device)
+        return gather_chunks(self.group_layers[job.group], self.codec, torch.tensor(job.block_ids, dtype=torch.long),
+                             staging)
 
     def _run_save(self, item) -> None:
         """(job, staging, event): store `staging` ([n, *chunk_shape] on the CPU), or first gather it from the
@@ -346,11 +385,13 @@ class WorkerSide:
         if staging is None:
             return
         n = job.end_chunk - job.first_chunk
-        client = self.client(job.lora_id)
+        client = self.client(job.lora_id, job.group)
         hashes = client.hashes(np.frombuffer(job.tokens, dtype="<u4"), job.salt)
         with self.client_lock:
             sent = client.store_keys(hashes[0], hashes[job.first_chunk:job.end_chunk], list(staging))
         self.count("vllm_saved_chunks", sent)
+        if len(self.specs) > 1:
+            self.count(f"vllm_saved_chunks_group{job.group}", sent)
         self.count("vllm_save_already_cached_chunks", n - sent)
 
     def close(self) -> None:

@@ -174,7 +174,7 @@ def backend(mesh, ray_cluster, tmp_path_factory):
     yield RayBackend(mesh, node.node_id, disk_config)
     ray.kill(node_actors()[node.node_id], no_restart=True)  # its detached actor's name would outlive the node
     wait_until(lambda: node.node_id not in node_actors(), 30)
-    ray_cluster.remove_node(node)
+    ray_cluster.remove_node(node, graceful=True)  # the GCS knows at once, so a later kvmesh.start never places an actor on it
 
 
 @pytest.mark.parametrize("case", mx.cases(), ids=mx.case_id)

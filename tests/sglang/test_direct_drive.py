@@ -300,3 +300,12 @@ def test_with_redis_down_batch_calls_are_misses_and_serving_resumes(engines, red
     wait_until(lambda: ray.get(eb.call.remote("batch_exists", keys), timeout=60) == PAGES, 20)
     again = ray.get(eb.read.remote(keys), timeout=60)
     assert again["ok"] == [True] * PAGES and torch.equal(again["kv"], ref)
+
+
+def test_hybrid_pools_are_refused_naming_the_model_feature(engines):
+    # SGLang registers each host pool of a hybrid model at start-up: anything but the uniform KV pool stops it
+    _, eb = engines
+    for pool, feature in (("swa", "sliding-window"), ("mamba", "Mamba"), ("indexer", "DSA"),
+                          ("deepseek_v4_c4", "DeepSeek-V4"), ("draft_swa", "draft")):
+        with pytest.raises(ray.exceptions.RayTaskError, match=feature):
+            ray.get(eb.call.remote("register_mem_host_pool_v2", None, pool), timeout=60)

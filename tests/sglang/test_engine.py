@@ -3,8 +3,10 @@ nodes of a real 3-node cluster, against a real redis-server.
 
 Each engine is tests/sglang/engine_driver.py in its own process (SGLang then spawns its scheduler, where the
 backend lives, joins the cluster through $RAY_ADDRESS and takes the KVNode of $KVMESH_RAY_NODE_ID as its own).
-Outputs are greedy token ids of a random-weight Llama (initializer_range 0.1: prompt-dependent outputs), and
-storage hits are SGLang's own `cached_tokens_details["storage"]`.
+The model is a random-weight Gemma-2-style one (initializer_range 0.1: prompt-dependent outputs): its
+sliding-window layers (a 200-token window, under half a prompt) alternate with full-attention ones, all of which
+SGLang keeps in its one uniform pool (the window is the attention's mask), so every page is stored and loaded.
+Outputs are greedy token ids, and storage hits are SGLang's own `cached_tokens_details["storage"]`.
 """
 
 import json
@@ -29,17 +31,34 @@ PROMPT = 512  # tokens: 32 pages of 16; SGLang never matches the last token, so 
 STORAGE_PAGES_MAX = PROMPT - 16
 
 
-def make_model(out: str) -> None:
-    """A tiny random-weight Llama with a word-level tokenizer ("w<i>" -> i), saved where SGLang loads it."""
+WINDOW = 200  # tokens: the sliding window of the Mistral- and Gemma-2-style models, smaller than a prompt
+
+
+def make_model(out: str, arch: str = "llama") -> None:
+    """A tiny random-weight model with a word-level tokenizer ("w<i>" -> i), saved where SGLang loads it: "llama",
+    "mistral" (every layer a WINDOW-token sliding window) or "gemma2" (sliding-window and full layers alternate;
+    its tied embeddings, which Gemma 2 scales by sqrt(hidden), are scaled back so the layers matter)."""
     import torch
+    import transformers as tf
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=4096, initializer_range=0.1, max_position_embeddings=2048,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    common = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=4096, initializer_range=0.1, max_position_embeddings=2048, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, **common))
+    elif arch == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(num_hidden_layers=2, head_dim=64, sliding_window=WINDOW,
+                                                       **common))
+    else:
+        cfg = tf.Gemma2Config(num_hidden_layers=4, head_dim=64, sliding_window=WINDOW, query_pre_attn_scalar=64,
+                              hidden_act="gelu_pytorch_tanh", **common)  # SGLang reads the older name
+        model = tf.Gemma2ForCausalLM(cfg)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(cfg.hidden_size ** -0.5)
+    model.to(torch.bfloat16).save_pretrained(out)
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 4096)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -106,21 +125,27 @@ class EngineProcess:
 
 
 @pytest.fixture(scope="module")
-def engines(sgl_cluster, tmp_path_factory):
+def all_engines(sgl_cluster, tmp_path_factory):
     """Engine A on node 1 and engine B on node 2, both started at once (an engine takes 30-90 s to start here)."""
     cluster, _ = sgl_cluster
     work = str(tmp_path_factory.mktemp("sgl-engines"))
-    model_dir = os.path.join(work, "tiny-llama")
-    make_model(model_dir)
+    model_dir = os.path.join(work, "tiny-gemma2")
+    make_model(model_dir, "gemma2")
     _, a, b = cluster.node_ids()  # head first: the driver's node stays
-    ea = EngineProcess(model_dir, a, cluster.address, work)
-    eb = EngineProcess(model_dir, b, cluster.address, work)
+    procs = {"A": EngineProcess(model_dir, a, cluster.address, work),
+             "B": EngineProcess(model_dir, b, cluster.address, work)}
     try:
-        assert ea.wait(400) == {"ready": True} and eb.wait(400) == {"ready": True}
-        yield ea, eb
+        for p in procs.values():
+            assert p.wait(400) == {"ready": True}
+        yield {**procs, "model_dir": model_dir}
     finally:
-        ea.close()
-        eb.close()
+        for p in procs.values():
+            p.close()
+
+
+@pytest.fixture(scope="module")
+def engines(all_engines):
+    return all_engines["A"], all_engines["B"]
 
 
 def test_generate_flush_generate_reads_the_prefix_from_kvmesh_with_identical_output(engines):
@@ -133,8 +158,10 @@ def test_generate_flush_generate_reads_the_prefix_from_kvmesh_with_identical_out
     assert again["cached"]["storage"] == STORAGE_PAGES_MAX
     assert again["cached"].get("device", 0) == 0 and again["cached"].get("host", 0) == 0
     assert again["ids"] == first["ids"]
-    # the outputs depend on the prompt (so "identical" above is not trivially true)
+    # the outputs depend on the prompt (so "identical" above is not trivially true), also on what lies beyond the
+    # window: the same last 40 tokens after another prefix give other tokens
     assert ea.generate(prompt(99, 64))["ids"] != first["ids"]
+    assert ea.generate(prompt(98, PROMPT - 40) + p[-40:])["ids"] != first["ids"]
 
 
 def test_an_engine_on_another_node_reads_the_pages_from_its_peer(engines):
@@ -144,6 +171,50 @@ def test_an_engine_on_another_node_reads_the_pages_from_its_peer(engines):
     got = eb.generate(p)  # B has never seen this prompt: its prefix comes from node 1
     assert got["cached"]["storage"] == STORAGE_PAGES_MAX
     assert got["ids"] == ref["ids"]
+
+
+GOLDEN = os.path.join(HERE, "golden.json")
+
+
+def test_the_pinned_engine_gives_the_golden_page_keys_and_reused_output(sgl_cluster, all_engines):
+    # An SGLang upgrade that changes the page keys kvmesh stores under (SGLang's page hashing, this backend's
+    # format) or the KV it reuses (the greedy output after a reload from kvmesh) fails here instead of serving
+    # wrong KV. To accept a new version after checking it: KVMESH_RECORD_GOLDEN=1 make test-sglang ARGS="-k golden"
+    import json
+    from importlib.metadata import version
+
+    import kvmesh
+    from kvmesh.hashing import root_hash
+    from kvmesh.integrations.identity import local_model_id
+    from kvmesh.integrations.sglang import generation_group, page_keys, sglang_kv_format
+    from kvmesh.spec import KVSpec
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    ea = all_engines["A"]
+    p = prompt(4242)
+    first = ea.generate(p)
+    assert ea.call("flush") == {"ok": True}
+    again = ea.generate(p)
+    assert again["cached"]["storage"] == STORAGE_PAGES_MAX and again["ids"] == first["ids"]
+    # the spec the engine's backend derived, rebuilt here: the keys below are listed only if it is the same
+    spec = KVSpec(local_model_id(all_engines["model_dir"]), 4, 2, 64, "bfloat16", chunk_tokens=16,
+                  kv_format=sglang_kv_format("layer_first"))
+    sgl_keys = get_hash_str(p[:STORAGE_PAGES_MAX], None, page_size=16)
+    group = generation_group(root_hash(spec.namespace), 0)
+    keys = page_keys(group, sgl_keys)
+    with kvmesh.connect(spec) as c:
+        assert c.lookup_keys(group, keys).num_chunks == len(keys) == STORAGE_PAGES_MAX // 16
+    got = {"namespace": spec.namespace.hex(), "kv_format": list(spec.kv_format.encode()),
+           "page_keys": [k.hex() for k in keys], "reused_output": again["ids"]}
+    key = f"sglang=={version('sglang')} {spec.kv_format.layout}"
+    goldens = json.load(open(GOLDEN)) if os.path.exists(GOLDEN) else {}
+    if os.environ.get("KVMESH_RECORD_GOLDEN") == "1":
+        goldens[key] = got
+        with open(GOLDEN, "w") as f:
+            json.dump(goldens, f, indent=1, sort_keys=True)
+            f.write("\n")
+    assert key in goldens, f"no golden for {key!r} (recorded: {sorted(goldens)}); check this engine, then record"
+    assert got == goldens[key]
 
 
 def test_a_killed_holder_node_makes_the_other_engine_recompute_with_identical_output(sgl_cluster, engines):

@@ -16,6 +16,7 @@ from kvmesh.integrations.vllm_options import (
     parse_options,
     request_salt,
     spec_for_vllm,
+    specs_for_vllm,
 )
 
 
@@ -27,6 +28,14 @@ class SlidingWindowSpec(NS):
     pass
 
 
+class MambaSpec(NS):
+    pass
+
+
+class ChunkedLocalAttentionSpec(NS):
+    pass
+
+
 def vllm_config(model="org/model", revision="abc123", dtype=torch.bfloat16, tp=1, pp=1, **model_kw):
     return NS(model_config=NS(model=model, revision=revision, dtype=dtype, hf_overrides=model_kw.get("overrides"),
                               quantization=model_kw.get("quantization")),
@@ -34,11 +43,22 @@ def vllm_config(model="org/model", revision="abc123", dtype=torch.bfloat16, tp=1
               cache_config=NS(calculate_kv_scales=False))
 
 
-def kv_config(block=16, heads=8, head=128, dtype=torch.bfloat16, layers=4, kind=FullAttentionSpec, groups=1):
+def kv_config(block=16, heads=8, head=128, dtype=torch.bfloat16, layers=4, kind=FullAttentionSpec, groups=1,
+              window=None):
     spec = kind(block_size=block, num_kv_heads=heads, head_size=head, head_size_v=head, dtype=dtype,
-                sliding_window=None)
+                sliding_window=window)
     group = NS(kv_cache_spec=spec, layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(layers)])
     return NS(kv_cache_groups=[group] * groups)
+
+
+def hybrid_config(window=512, block=16):
+    """Gemma-2-style: even layers sliding-window, odd layers full attention (vLLM's hybrid allocator)."""
+    def group(kind, layers, **kw):
+        return NS(kv_cache_spec=kind(block_size=block, num_kv_heads=8, head_size=128, head_size_v=128,
+                                     dtype=torch.bfloat16, **kw),
+                  layer_names=[f"model.layers.{i}.self_attn.attn" for i in layers])
+    return NS(kv_cache_groups=[group(SlidingWindowSpec, (0, 2), sliding_window=window),
+                               group(FullAttentionSpec, (1, 3), sliding_window=None)])
 
 
 def test_options_are_type_checked_and_unknown_keys_named():
@@ -99,13 +119,36 @@ def test_the_spec_comes_from_the_kv_cache_config():
     s32 = spec_for_vllm(vllm_config(dtype=torch.float32), kv_config(), o)
     assert s32.model_id == "org/model@abc123#compute=float32" and s32 != spec_for_vllm(vllm_config(), kv_config(), o)
     assert spec_for_vllm(vllm_config(), kv_config(), o, lora_id="ad@1").lora_id == "ad@1"
-    for cfg, kv, why in ((vllm_config(), kv_config(groups=2), "KV cache groups"),
-                         (vllm_config(), kv_config(kind=SlidingWindowSpec), "full attention"),
+    for cfg, kv, why in ((vllm_config(), kv_config(groups=2), "more than one KV cache group"),
+                         (vllm_config(), kv_config(kind=MambaSpec), "Mamba"),
+                         (vllm_config(), kv_config(kind=ChunkedLocalAttentionSpec), "chunked local attention"),
                          (vllm_config(pp=2), kv_config(), "pipeline"),
                          (vllm_config(), kv_config(block=16), "multiple")):
         opts = ConnectorOptions(chunk_tokens=24) if why == "multiple" else o
         with pytest.raises(ValueError, match=why):
             spec_for_vllm(cfg, kv, opts)
+
+
+def test_hybrid_and_sliding_window_models_get_one_spec_per_group():
+    from kvmesh.spec import KVFormat
+
+    o, fmt = ConnectorOptions(), KVFormat("vllm", "cpu:vec:bs16:00", 1)
+    swa, full = specs_for_vllm(vllm_config(), hybrid_config(), o, kv_format=fmt)
+    assert (swa.group.attention, swa.group.window, swa.group.layers, swa.num_layers) == ("sliding_window", 512,
+                                                                                         (0, 2), 2)
+    assert (full.group.attention, full.group.layers, full.kv_format) == ("full", (1, 3), fmt)
+    assert swa.namespace != full.namespace and swa.model_id == full.model_id
+    (mistral,) = specs_for_vllm(vllm_config(), kv_config(kind=SlidingWindowSpec, window=4096), o)
+    assert mistral.group.window == 4096 and mistral.kv_format is None
+    (plain,) = specs_for_vllm(vllm_config(), kv_config(), o, kv_format=fmt)
+    assert plain.group is None and plain.kv_format == fmt  # one full-attention group: a uniform stack
+    # "neutral" leaves the format out: the spec a transformers worker with kv_format=None derives
+    assert spec_for_vllm(vllm_config(), kv_config(), ConnectorOptions(kv_format="neutral"), kv_format=fmt) == \
+        spec_for_vllm(vllm_config(), kv_config(), o)
+    with pytest.raises(ValueError, match="2 KV cache groups"):
+        spec_for_vllm(vllm_config(), hybrid_config(), o)
+    with pytest.raises(ValueError, match="kv_format"):
+        parse_options({"kv_format": "raw"})
 
 
 def test_save_copies_default_to_inline_on_the_cpu_only():

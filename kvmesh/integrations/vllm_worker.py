@@ -36,13 +36,8 @@ import torch
 from kvmesh.integrations.vllm_loader import WAIT_SLACK_S, Load, Loader, SyncBatch
 
 IDLE_WAIT_S = 0.02  # at most this long per empty engine step, waiting for an asynchronous load to end
-<<<<<<< HEAD
-from kvmesh.integrations.vllm_scheduler import SaveJob, StepMeta, WorkerReport
-from kvmesh.paged import HeadMajorCodec, SplitKVCodec, gather_chunks, learn_codec
-=======
 from kvmesh.integrations.vllm_meta import SaveJob, StepMeta, WorkerReport
-from kvmesh.paged import HeadMajorCodec, gather_chunks, learn_codec
->>>>>>> engines
+from kvmesh.paged import HeadMajorCodec, SplitKVCodec, gather_chunks, learn_codec
 
 log = logging.getLogger("kvmesh.vllm")
 
@@ -142,21 +137,7 @@ class WorkerSide:
         [blocks, heads, block_size, 2 * head_dim] view (see kvmesh.paged)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
-<<<<<<< HEAD
-        names = sorted((n for n in self._layer_names if n in kv_caches), key=extract_layer_index)
-        if len(names) != self.spec.num_layers:
-            raise ValueError(f"kvmesh vLLM connector: {len(names)} of the {self.spec.num_layers} attention layers "
-                             f"have a KV cache")
-        layers = [kv_caches[n] for n in names]
-        s, bs = self.spec, self.block_size
-        if layers[0].dim() == 5:  # vLLM before its KVCacheLayout descriptor: K and V apart (see kvmesh.paged)
-            self.layers, self.codec = [_split_kv_view(n, t, s, bs) for n, t in zip(names, layers)], \
-                SplitKVCodec(bs, s.num_kv_heads, s.head_dim)
-            self.layer_of = {n: i for i, n in enumerate(names)}
-            return
-=======
         s, bs = self.spec, self.block_size  # every group has this geometry (vllm_options.groups_for_vllm)
->>>>>>> engines
         shape = (s.num_kv_heads, bs, 2 * s.head_dim)
         order, group_layers = [], []
         for g, names in enumerate(self._layer_names):
@@ -166,14 +147,22 @@ class WorkerSide:
                                  f"layers of KV cache group {g} have a KV cache")
             for n in names:
                 t = kv_caches[n]
+                if t.dim() == 5:  # vLLM before its KVCacheLayout descriptor: K and V apart (see kvmesh.paged)
+                    continue  # checked by _split_kv_view
                 if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.dtype != s.torch_dtype:
                     raise ValueError(f"kvmesh vLLM connector: layer {n} has a {t.dtype} cache of shape "
                                      f"{list(t.shape)}; expected [blocks, {', '.join(map(str, shape))}] {s.dtype}")
-            group_layers.append([kv_caches[n] for n in names])
+            group_layers.append([_split_kv_view(n, kv_caches[n], s, bs) if kv_caches[n].dim() == 5 else kv_caches[n]
+                                 for n in names])
             order += [(extract_layer_index(n), n, g, i) for i, n in enumerate(names)]
         order.sort()
         layers = [group_layers[g][i] for _, _, g, i in order]
-        if layers[0].device.type == "cpu":
+        split = {kv_caches[n].dim() == 5 for _, n, _, _ in order}
+        if len(split) > 1:
+            raise ValueError("kvmesh vLLM connector: some layers have 5-D caches, others 4-D")
+        if split == {True}:
+            self.codec = SplitKVCodec(bs, s.num_kv_heads, s.head_dim)
+        elif layers[0].device.type == "cpu":
             if not all(t.is_contiguous() for t in layers):
                 raise ValueError("kvmesh vLLM connector: vLLM's CPU caches are not contiguous per block")
             self.codec = learn_codec(cpu_writer, shape, bs, s.num_kv_heads, s.head_dim, s.torch_dtype)

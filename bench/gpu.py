@@ -15,11 +15,15 @@
       hit's bit for bit (the same bytes), and both the split recompute's.
   LMCache  P1's paged store and load timed with LMCache 0.5.3's compiled multi_layer_kv_transfer on the same bytes
       and layout (bench/lmcache_side.py): p1_ratio_to_lmcache_store / _load = LMCache time / kvmesh time (>= 1.0).
+  VLLM the vLLM connector's load into GPU blocks (its worker half with real CUDA tensors in vLLM's 5-D and logical
+      layouts, a KVNode as a plain object, Llama-3.1-8B shape, 16-token blocks, 2 GiB): vllm_gpu_load_ratio_to_h2d =
+      a raw pinned H2D copy of the same bytes / the connector's load, in the same run. Goal >= 0.9 (bench/gpu_vllm.py).
   P3  speedup with the cost model on over {Llama-3.2-1B, Llama-3.1-8B shape} x {512, 2 k, 8 k, 32 k} tokens.
       Goal >= 1.0 everywhere. Greedy tokens compared with recompute at every point, max |logit diff| reported.
 
 Run: python bench/gpu.py            (full)        python bench/gpu.py --quick   (small shapes, e.g. on the CPU)
      python bench/gpu.py --only tier  (P1 + LMCache, G1, P2/P2'/G2: the GPU-tier issue's figures)
+     python bench/gpu.py --only vllm  (the vLLM connector's load into GPU blocks)
 """
 
 from __future__ import annotations
@@ -530,7 +534,7 @@ def correctness_fp32(device, shape, lengths, suffix_tokens, decode_steps) -> lis
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shapes (for a CPU smoke run)")
-    p.add_argument("--only", choices=["p1", "p2", "p3", "fp32", "bf16", "g1", "tier"],
+    p.add_argument("--only", choices=["p1", "p2", "p3", "fp32", "bf16", "g1", "tier", "vllm"],
                    help="tier: P1 with LMCache beside it, G1, and P2/P2'/G2")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -578,6 +582,14 @@ def main() -> None:
             if k in out["p2"]:
                 out[k] = out["p2"][k]
         print("P2", out["p2"], flush=True)
+        checkpoint()
+    if args.only in (None, "vllm"):
+        from bench.gpu_vllm import vllm_load
+
+        out["vllm"] = vllm_load(device, 64 * MiB if args.quick else 2 * GiB, Timer(device),
+                                **(dict(layers=2, heads=2, head_dim=32) if args.quick else {}))
+        out["vllm_gpu_load_ratio_to_h2d"] = out["vllm"]["vllm_gpu_load_ratio_to_h2d"]
+        print("VLLM", out["vllm"], flush=True)
         checkpoint()
     if args.only in (None, "p3"):
         out["p3"] = p3(device, shapes, lengths, 64 if not args.quick else 16, h2d, 1e-3, decode_steps=8)

@@ -24,6 +24,8 @@ Moves (one indexed read or write per layer for a whole batch of blocks, never on
 
     gather_chunks(layers, codec, block_ids, out) -> out [N, L, 2, C, H, D]      blocks -> chunks
     scatter_layer(kv_layer, layer, codec, block_ids, first)                     one layer of chunks -> blocks
+    scatter_chunks(chunks, layer, codec, block_ids, first)                      the same from chunk-major KV
+                     [k, 2, C, H, D] (one layer of a device load's staging); with SplitKVCodec one pass, no copy
 """
 
 from __future__ import annotations
@@ -172,3 +174,41 @@ def scatter_layer(kv_layer: torch.Tensor, layer: torch.Tensor, codec, block_ids:
         return
     pieces = kv_layer.view(2, n, bs, h, d).transpose(0, 1)[first:]  # [n - first, 2, bs, H, D]
     layer.index_copy_(0, block_ids[first:].to(layer.device, torch.long), codec.blocks(pieces).to(layer.device))
+
+
+def _words(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors as int64 words where all of them allow it (an indexed copy then moves 8 bytes per element)."""
+    e = ts[0].element_size()
+    ok = all(t.stride(-1) == 1 and (t.shape[-1] * e) % 8 == 0 and t.data_ptr() % 8 == 0
+             and all(s * e % 8 == 0 for s in t.stride()[:-1]) for t in ts)
+    return [t.view(torch.int64) for t in ts] if ok else list(ts)
+
+
+def scatter_chunks(chunks: torch.Tensor, layer: torch.Tensor, codec, block_ids: torch.Tensor,
+                   first: int = 0) -> None:
+    """Write one layer of chunk-major KV, `chunks` [k, 2, C, H, D] (any strides, e.g. `load.staging[a:b, layer]`),
+    into the blocks `block_ids` [n <= k * C / bs] (chunk-major) of `layer`, skipping the first `first` of them.
+    SplitKVCodec's blocks are pieces: they are read through a strided view, one indexed write per run of whole
+    chunks (and one per partial chunk at either end), no staging copy. Other codecs reorder first (one copy)."""
+    k, _, c, h, d = chunks.shape
+    bs = codec.block_size
+    m, n = c // bs, block_ids.numel()
+    if first >= n:
+        return
+    ids = block_ids.to(layer.device, torch.long)
+    pieces = chunks.view(k, 2, m, bs, h, d).transpose(1, 2)  # [k, m, 2, bs, H, D]: piece j of chunk i
+    if not isinstance(codec, SplitKVCodec):
+        flat = pieces.reshape(k * m, 2, bs, h, d)[first:n]
+        layer.index_copy_(0, ids[first:n], codec.blocks(flat).to(layer.device))
+        return
+    dst, src = _words(layer, pieces.to(layer.device))
+    a, b = -(-first // m), n // m  # the whole chunks [a, b)
+    if a > b:  # first and n fall in one chunk
+        parts = [(first // m, first, n)]
+    else:
+        parts = [(first // m, first, a * m), (b, b * m, n)]
+        if a < b:
+            dst.index_put_((ids[a * m:b * m].view(b - a, m),), src[a:b])
+    for i, lo, hi in parts:  # the partial chunks
+        if lo < hi:
+            dst.index_put_((ids[lo:hi],), src[i, lo - i * m:hi - i * m])

@@ -3,9 +3,16 @@
     plan(job) -> Load       on the engine's thread: the job's chunk hashes, each either joined to a fetch already
                             planned (in flight) or added to a new fetch this load runs
     submit(load | batch)    queue it; loads run in order, so a fetch another load joins has always run first
-    run(load | batch)       fetch (one directory lookup and one `client.fetch` per fetch), then one indexed write
-                            per layer of every run of chunks into the load's blocks; an asynchronous load reports
-                            its end through the worker, a synchronous batch sets one event per layer
+    run(load | batch)       fetch (one directory lookup and one fetch per fetch), then one indexed write per layer
+                            of every run of chunks into the load's blocks; an asynchronous load reports its end
+                            through the worker, a synchronous batch sets one event per layer
+
+Where the chunks land. vLLM's blocks on a GPU: through the data plane's device sink (`client.fetch_to_device`):
+same-node chunks by DMA straight from the node's page-locked slab, peer chunks through page-locked staging of the
+fetch's own, into a device staging tensor layer by layer; each layer's writes into the blocks wait (on the GPU) for
+that layer's copy alone. The slab chunks' checksums are verified by CPU threads while the DMA runs, and only the
+chunks before the first that fails are written (the rest are failed blocks). Blocks on the CPU (vLLM's CPU
+backend): `client.fetch` into a CPU tensor, then the writes.
 
 Coalescing: the in-flight map (chunk hash -> (fetch, index)) holds every chunk from planning until the last load
 that needs it has written it, so concurrent requests that share a prefix make one transfer, not one each.
@@ -23,7 +30,8 @@ import numpy as np
 import torch
 
 from kvmesh.integrations.vllm_meta import LoadJob
-from kvmesh.paged import scatter_layer
+from kvmesh.movers import LayerwiseLoad
+from kvmesh.paged import scatter_chunks, scatter_layer
 
 log = logging.getLogger("kvmesh.vllm")
 WAIT_SLACK_S = 30.0  # beyond the fetch deadline: how long a load waits for a fetch it joined, and the forward
@@ -38,7 +46,9 @@ class Fetch:
     hashes: list[bytes]
     lora_id: str | None
     kv_group: int  # the KV cache group the chunks belong to (index into the worker's specs)
-    kv: torch.Tensor | None = None  # [L, 2, got * C, H, D] once done
+    kv: torch.Tensor | None = None  # blocks on the CPU: [L, 2, got * C, H, D] once done
+    load: LayerwiseLoad | None = None  # blocks on a device: staging [got, L, 2, C, H, D] on it, layer l usable
+    # on a stream after load.wait(l); released (slab chunks unpinned) with the last load that needs it
     got: int = 0  # leading chunks that arrived intact
     unreachable: str = ""  # the holder node a short fetch could not reach (not for a corrupt chunk)
     done: threading.Event = field(default_factory=threading.Event)
@@ -51,6 +61,8 @@ class Load:
     parts: list[tuple[Fetch, int]]  # for chunk first_chunk + i: (fetch, index in it)
     owned: list[Fetch]  # fetches this load runs (the others are run by loads queued before it)
     failed: list[int] = field(default_factory=list)  # block ids that could not be written
+    ids: torch.Tensor | None = None  # job.block_ids on the blocks' device, made by the first write (one copy, not
+    # one per layer: a copy from pageable memory would also wait for the stream's earlier writes)
 
 
 @dataclass(eq=False)
@@ -148,20 +160,26 @@ class Loader:
         s, c = w.specs[f.kv_group], w.chunk
         try:
             client = w.client(f.lora_id, f.kv_group)
+            device = w.layers[0].device
             with w.client_lock:
                 match = client.lookup_keys(f.group, f.hashes)
-                if match.num_chunks:
+                if match.num_chunks and device.type == "cuda":
+                    f.load, f.got = client.fetch_to_device(match, device, deadline_s=w.options.fetch_timeout_s)
+                elif match.num_chunks:
                     buf = torch.empty(s.kv_shape(match.num_chunks * c), dtype=s.torch_dtype)
                     kv = client.fetch(match, out=buf, deadline_s=w.options.fetch_timeout_s)
                     f.kv, f.got = kv, kv.shape[2] // c
-                    st = client.last_fetch
-                    if f.got < match.num_chunks and st.error in ("peer_error", "deadline"):
-                        holders = [h.node_id for h in match.chunks[f.got].holders if h.node_id != client.node_id]
-                        f.unreachable = holders[0] if holders else ""
-                    for source, k in (("local", st.local_chunks), ("peer", st.peer_chunks)):
-                        if k:  # the two overlap in time: each is charged the whole fetch (an upper bound)
-                            with w.mu:
-                                w.report.transfers.append((source, k * s.chunk_bytes, st.seconds))
+                st = client.last_fetch
+            if f.load is not None:  # verified while the DMA ran (outside the lock: saves go on meanwhile)
+                f.got = min(f.got, f.load.first_unverified())
+            if match.num_chunks:
+                if f.got < match.num_chunks and st.error in ("peer_error", "deadline"):
+                    holders = [h.node_id for h in match.chunks[f.got].holders if h.node_id != client.node_id]
+                    f.unreachable = holders[0] if holders else ""
+                for source, k in (("local", st.local_chunks), ("peer", st.peer_chunks)):
+                    if k:  # the two overlap in time: each is charged the whole fetch (an upper bound)
+                        with w.mu:
+                            w.report.transfers.append((source, k * s.chunk_bytes, st.seconds))
             w.count("vllm_fetched_chunks", f.got)
             if f.got < len(f.hashes):
                 w.count("vllm_fetch_missing_chunks", len(f.hashes) - f.got)
@@ -182,7 +200,11 @@ class Loader:
             ok += 1
         lo, hi = job.skip_blocks, min(job.fill_blocks, ok * m)
         ld.failed = list(job.block_ids[max(lo, ok * m):job.fill_blocks])
-        ids = torch.tensor(job.block_ids, dtype=torch.long)
+        if ld.ids is None:
+            ids = torch.tensor(job.block_ids, dtype=torch.long)
+            dev = group_layers[0].device
+            ld.ids = ids if dev.type == "cpu" else ids.pin_memory().to(dev, non_blocking=True)
+        ids = ld.ids
         j = 0
         while j * m < hi:  # runs of chunks that sit next to each other in one fetch: one write per layer each
             f, start = ld.parts[j]
@@ -191,6 +213,11 @@ class Loader:
                 k += 1
             b0, b1 = j * m, min((j + k) * m, hi)
             for layer in layers:
+                if f.load is not None:  # this stream waits (on the GPU) for this layer's copy alone
+                    f.load.wait(layer)
+                    scatter_chunks(f.load.staging[start:start + k, layer], group_layers[layer], w.codec,
+                                   ids[b0:b1], first=max(0, lo - b0))
+                    continue
                 src = f.kv[layer, :, start * c:start * c + (b1 - b0) * w.block_size]
                 scatter_layer(src, group_layers[layer], w.codec, ids[b0:b1], first=max(0, lo - b0))
             j += k
@@ -202,6 +229,7 @@ class Loader:
 
     def _release(self, ld: Load) -> None:
         w = self.worker
+        done = []
         with w.mu:
             for f in {id(f): f for f, _ in ld.parts}.values():
                 f.refs -= 1
@@ -210,6 +238,11 @@ class Loader:
                         if self.inflight.get(h, (None,))[0] is f:
                             del self.inflight[h]
                     f.kv = None
+                    if f.load is not None:
+                        done.append(f.load)
+                        f.load = None
+        for load in done:  # waits for its copies (not for the writes from its staging), then unpins the slab chunks
+            load.release()
 
     def close(self) -> None:
         self._q.put(None)

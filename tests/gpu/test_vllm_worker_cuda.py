@@ -2,14 +2,15 @@
 the block layouts vLLM's GPU backends allocate, saved then loaded bit-exact; the background save on a side stream
 never stalls the compute stream; a synchronous load lets layer i's consumer wait for layer i alone.
 
-The two vLLM names the worker imports are stubbed when vLLM is absent; the client is a stand-in holding chunks in
-a dict (the worker's own logic, streams and layouts are what is under test). Skipped without a GPU."""
+The two vLLM names the worker imports are stubbed when vLLM is absent. Most tests use a stand-in client holding
+chunks in a dict (the worker's own logic, streams and layouts are what is under test); the last ones load through a
+real KVNode (a plain object, no Ray) and a real redis-server: the data plane's device sink DMAs the chunks from the
+node's page-locked slab, and a chunk that fails its checksum is never written. Skipped without a GPU."""
 
 import hashlib
 import sys
 import threading
 import time
-import types
 from collections import Counter
 from types import SimpleNamespace as NS
 
@@ -28,36 +29,19 @@ def vllm_names():
         import vllm  # noqa: F401
         stubbed = []
     except ImportError:
-        stubbed = _install_stubs()
-    from kvmesh.integrations import vllm_options, vllm_scheduler, vllm_worker
+        from bench.gpu_vllm import install_vllm_stubs
+
+        stubbed = install_vllm_stubs()
+    from kvmesh.integrations import vllm_meta, vllm_options, vllm_worker
 
     g = globals()
-    g.update(WorkerSide=vllm_worker.WorkerSide, LoadJob=vllm_scheduler.LoadJob, SaveJob=vllm_scheduler.SaveJob,
-             StepMeta=vllm_scheduler.StepMeta, ConnectorOptions=vllm_options.ConnectorOptions)
+    g.update(WorkerSide=vllm_worker.WorkerSide, LoadJob=vllm_meta.LoadJob, SaveJob=vllm_meta.SaveJob,
+             StepMeta=vllm_meta.StepMeta, ConnectorOptions=vllm_options.ConnectorOptions)
     yield
     for name in stubbed + (["kvmesh.integrations.vllm_worker", "kvmesh.integrations.vllm_loader",
-                            "kvmesh.integrations.vllm_scheduler"] if stubbed else []):
+                            "kvmesh.integrations.vllm_scheduler", "kvmesh.integrations.vllm_meta"]
+                           if stubbed else []):
         sys.modules.pop(name, None)
-
-
-def _install_stubs() -> list[str]:
-    class KVConnectorMetadata:
-        pass
-
-    class KVConnectorWorkerMetadata:
-        pass
-
-    names = ["vllm", "vllm.model_executor", "vllm.model_executor.models", "vllm.distributed",
-             "vllm.distributed.kv_transfer", "vllm.distributed.kv_transfer.kv_connector",
-             "vllm.distributed.kv_transfer.kv_connector.v1"]
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    utils = types.ModuleType("vllm.model_executor.models.utils")
-    utils.extract_layer_index = lambda n: int(n.split(".")[2])
-    base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
-    base.KVConnectorMetadata, base.KVConnectorWorkerMetadata = KVConnectorMetadata, KVConnectorWorkerMetadata
-    sys.modules[utils.__name__], sys.modules[base.__name__] = utils, base
-    return names + [utils.__name__, base.__name__]
 
 
 from kvmesh import KVSpec  # noqa: E402
@@ -99,6 +83,13 @@ class Client:
         self.last_fetch = NS(local_chunks=match.num_chunks, peer_chunks=0, seconds=0.0, error="")
         return out[:, :, :match.num_chunks * C]
 
+    def fetch_to_device(self, match, device, deadline_s=None):
+        from kvmesh.movers import to_device
+
+        srcs = [self.chunks[k].contiguous().view(-1).view(torch.uint8).pin_memory() for k in match.keys]
+        self.last_fetch = NS(local_chunks=match.num_chunks, peer_chunks=0, seconds=0.0, error="")
+        return to_device(srcs, SPEC, device, min_copy_bytes=0), match.num_chunks
+
     def flush(self, timeout_s=None):
         pass
 
@@ -130,7 +121,7 @@ LAYOUTS = {
 
 
 def worker(client, layers):
-    w = WorkerSide(SPEC, lambda spec: client, ConnectorOptions(), BS, "kv_both", NAMES, background_copy=True)
+    w = WorkerSide([SPEC], lambda spec: client, ConnectorOptions(), BS, "kv_both", [NAMES], background_copy=True)
     w.register(dict(zip(NAMES, layers)))
     return w
 
@@ -256,3 +247,111 @@ def test_a_synchronous_load_lets_layer_i_wait_for_layer_i_alone():
     finally:
         gate.set()
         w2.close()
+
+
+# -- through a real KVNode ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    from kvmesh.config import KVMeshConfig
+    from kvmesh.local import RedisServer
+    from kvmesh.node import KVNode
+
+    with RedisServer() as server:
+        cfg = KVMeshConfig(redis_url=server.url, key_prefix="vw", cpu_bytes=64 * SPEC.chunk_bytes,
+                           slot_bytes=SPEC.chunk_bytes, shm_dir=str(tmp_path_factory.mktemp("vw")))
+        n = KVNode(cfg, "node-vllm-worker" * 2, "kvnode-vw")
+        yield n
+        n.shutdown()
+
+
+def real_worker(node, layers):
+    from kvmesh.client import connect_local
+
+    w = WorkerSide([SPEC], lambda spec: connect_local(spec, node), ConnectorOptions(), BS, "kv_both", [NAMES],
+                   background_copy=True)
+    w.register(dict(zip(NAMES, layers)))
+    return w
+
+
+def save_through(node, layers, toks, ids):
+    w = real_worker(node, layers)
+    try:
+        n = len(toks) // C
+        meta = StepMeta(saves=[SaveJob("s", toks.tobytes(), 0, n, ids, None, None)])
+        w.end_step(meta)
+        wait_for(lambda: w.counts["vllm_saved_chunks"] == n)
+        assert w.client(None).flush() == n
+    finally:
+        w.close()
+
+
+def load_through(node, dst, toks, ids, sync):
+    """Load chunks 0..2 of `toks` into `ids` (the first block vLLM's own: skipped); returns (failed blocks, counts)."""
+    w = real_worker(node, dst)
+    try:
+        meta = StepMeta(loads=[LoadJob("r", toks.tobytes(), 0, 3, ids, 1, 12, None, None, sync=sync)])
+        w.start_loads(meta)
+        if sync:  # the forward pass: each layer waits for its own writes
+            for name in NAMES:
+                w.wait_layer(name, meta)
+            w.end_step(meta)
+            w.finished(set())
+        else:
+            done = set()
+            wait_for(lambda: done.update(w.finished(set())[1] or ()) or "r" in done)
+        torch.cuda.synchronize()
+        return w.load_errors(), dict(w.counts)
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+@pytest.mark.parametrize("layout", ["flash_attn_2_NB_BS_H_D", "flashinfer_NB_2_BS_H_D", "flash_attn_LBNHC"])
+def test_a_load_through_a_real_node_lands_from_the_slab_on_the_gpu_bit_exact(node, layout, sync):
+    make, block = LAYOUTS[layout]
+    seed = 10 + list(LAYOUTS).index(layout) * 2 + sync
+    g = torch.Generator().manual_seed(seed)
+    src = make(g)
+    toks = tokens(3, seed=seed)
+    save_ids, load_ids = torch.randperm(NB, generator=g)[:12].tolist(), torch.randperm(NB, generator=g)[:12].tolist()
+    save_through(node, src, toks, save_ids)
+    dst = [torch.zeros_like(t) for t in src]
+    failed, counts = load_through(node, dst, toks, load_ids, sync)
+    assert failed == set()
+    # the device sink took them: DMA'd from this node's slab, not copied through a CPU tensor
+    assert counts.get("fetched_chunks_to_device") == 3 and counts.get("fetched_chunks_local") == 3
+    assert counts["vllm_loaded_blocks"] == 11
+    for i in range(L):
+        assert not bool(block(dst[i], load_ids[0]).ne(0).any()), "a skipped block was written"
+        for s, d in zip(save_ids[1:], load_ids[1:]):
+            assert torch.equal(block(dst[i], d), block(src[i], s)), f"layer {i} block {s}->{d}"
+
+
+def test_a_chunk_that_fails_its_checksum_in_the_slab_is_never_written(node):
+    make, block = LAYOUTS["flash_attn_2_NB_BS_H_D"]
+    g = torch.Generator().manual_seed(40)
+    src = make(g)
+    toks = tokens(3, seed=40)
+    save_ids, load_ids = torch.randperm(NB, generator=g)[:12].tolist(), torch.randperm(NB, generator=g)[:12].tolist()
+    save_through(node, src, toks, save_ids)
+    from kvmesh.client import connect_local
+
+    c = connect_local(SPEC, node)
+    try:
+        key = c.hashes(toks)[1]
+    finally:
+        c.close()
+    (_, path, offset), = [w for w in node.locate([key])[0] if w[0] == "cpu"]
+    with open(path, "r+b") as f:  # chunk 1 rots in the slab after it was stored
+        f.seek(offset + 1000)
+        b = f.read(1)
+        f.seek(offset + 1000)
+        f.write(bytes([b[0] ^ 0x20]))
+    dst = [torch.zeros_like(t) for t in src]
+    failed, counts = load_through(node, dst, toks, load_ids, sync=False)
+    assert failed == set(load_ids[4:])  # chunks 1 and 2: vLLM recomputes them
+    assert counts["vllm_loaded_blocks"] == 3
+    for i in range(L):
+        for s, d in zip(save_ids[1:4], load_ids[1:4]):
+            assert torch.equal(block(dst[i], d), block(src[i], s)), f"layer {i} block {s}->{d}"
+

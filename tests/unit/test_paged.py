@@ -104,3 +104,25 @@ def test_learning_handles_coordinates_beyond_one_digit():
     assert torch.equal(codec.blocks(codec.pieces(block)), block)
     k = codec.pieces(block)[0, 0]  # [bs, h, d]
     assert torch.equal(k, block.view(h, 2 * bs * d)[:, :bs * d].view(h, d, bs).permute(2, 0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scatter_chunks_writes_what_scatter_layer_writes_from_chunk_major_kv(dtype):
+    from kvmesh.paged import SplitKVCodec, scatter_chunks
+
+    c = 2 * BS  # 2 blocks per chunk; 3 chunks, one layer of a device load's staging [N, L, 2, C, H, D]
+    staging = torch.randn(3, 2, 2, c, H, 4, dtype=torch.float32).to(dtype)  # head_dim 4: int64 words in bf16
+    caches = {  # FlashAttention's [2, blocks, bs, H, D] through a transposed view, FlashInfer's, vLLM's logical
+        SplitKVCodec(BS, H, 4): (lambda: torch.zeros(2, 9, BS, H, 4, dtype=dtype).transpose(0, 1),
+                                 lambda: torch.zeros(9, 2, BS, H, 4, dtype=dtype)),
+        HeadMajorCodec(BS, H, 4): (lambda: torch.zeros(9, H, BS, 8, dtype=dtype),),
+    }
+    for codec, makes in caches.items():
+        for make in makes:
+            for first, n in [(0, 6), (1, 6), (3, 5), (2, 3), (1, 2), (5, 6)]:  # whole, skipped and partial chunks
+                ids = torch.randperm(9)[:n]
+                a, b = make(), make()
+                scatter_chunks(staging[:, 1], a, codec, ids, first)
+                scatter_layer(staging[:, 1].transpose(0, 1).reshape(2, 3 * c, H, 4)[:, :n * BS], b, codec, ids, first)
+                assert torch.equal(a, b), (codec, first, n)
+                assert n == first or bool(a.ne(0).any())

@@ -3,6 +3,7 @@
     kvmesh.start(redis_url=...)      one KVNode actor per Ray node (idempotent)
     kvmesh.connect(spec)             a KVMeshClient in any Ray driver, task or actor
     kvmesh.stop()                    remove the KVNodes
+    kvmesh.DirectoryUnavailable      what start and connect raise when the directory (Redis) cannot be used
 
 Ray is imported only when these are called, so specs, hashing and the tiers work without it.
 """
@@ -11,7 +12,8 @@ from kvmesh.config import KVMeshConfig
 from kvmesh.mesh import start, stop
 from kvmesh.spec import KVFormat, KVGroup, KVSpec
 
-__all__ = ["KVSpec", "KVGroup", "KVFormat", "KVMeshConfig", "KVMeshClient", "Match", "start", "stop", "connect"]
+__all__ = ["KVSpec", "KVGroup", "KVFormat", "KVMeshConfig", "KVMeshClient", "Match", "DirectoryUnavailable", "start",
+           "stop", "connect"]
 __version__ = "0.1.0"
 
 
@@ -27,4 +29,8 @@ def __getattr__(name):
         from kvmesh import client
 
         return getattr(client, name)
+    if name == "DirectoryUnavailable":  # (with redis-py behind it: imported when asked for, like the client)
+        from kvmesh.directory import DirectoryUnavailable
+
+        return DirectoryUnavailable
     raise AttributeError(f"module 'kvmesh' has no attribute {name!r}")

@@ -93,12 +93,15 @@ def _bench(a) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from kvmesh.directory import DirectoryUnavailable
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, MissingExtra) as e:  # configuration errors and missing extras: one clear line
+    except (ValueError, MissingExtra, DirectoryUnavailable) as e:  # configuration errors, missing extras, a
+        # directory that cannot be used (`up --address` with a wrong --redis-url): one clear line
         if os.environ.get("KVMESH_DEBUG"):
             raise
         print(f"kvmesh {args.command}: {e}", file=sys.stderr)

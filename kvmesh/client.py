@@ -41,7 +41,7 @@ from kvmesh.dataplane.fetcher import Fetcher, FetchOptions
 from kvmesh.dataplane.gpureads import GpuReads
 from kvmesh.dataplane.sinks import DeviceSink, HostSink
 from kvmesh.dataplane.sources import Env
-from kvmesh.directory import Directory, Holder
+from kvmesh.directory import Directory, Holder, probe
 from kvmesh.handle import LocalHandle, NodeHandle, Orphans
 from kvmesh.hashing import HASH_BYTES, as_tokens, chunk_hashes, salt_bytes
 from kvmesh.match import ChunkMatch, FetchStats, Match, StoreResult
@@ -559,7 +559,9 @@ def connect(spec: KVSpec, redis_url: str | None = None, *, cache_salt: str | byt
             config: KVMeshConfig | None = None, node_id: str | None = None, **options) -> KVMeshClient:
     """A client for `spec` in this process. Finds the KVNode on this process's Ray node (or on `node_id`: for an
     engine whose Ray connection lands elsewhere, e.g. a child process of an actor) and takes its config (directory
-    URL included) unless `redis_url`/`config`/`options` say otherwise."""
+    URL included) unless `redis_url`/`config`/`options` say otherwise. Raises `kvmesh.DirectoryUnavailable` (a
+    `ConnectionError` naming the URL, password redacted, and the cause) within about 2 x `lease_s` when the
+    directory does not answer, refuses AUTH or is not Redis; once connected, directory failures are misses."""
     if not isinstance(spec, KVSpec):
         raise TypeError(f"spec must be a kvmesh.KVSpec, got {type(spec).__name__}")
     if node_id is not None and (not isinstance(node_id, str) or not node_id):
@@ -585,6 +587,8 @@ def connect(spec: KVSpec, redis_url: str | None = None, *, cache_salt: str | byt
     if hello is None and redis_url is None and config is None:
         raise RuntimeError("no KVNode runs on this Ray node (call kvmesh.start first) and no redis_url was given")
     cfg = _resolve(spec, hello.config if hello else KVMeshConfig(), redis_url, config, options)
+    # the one time a directory failure raises: a wrong URL would otherwise read as a miss on every lookup, forever
+    probe(cfg.redis_url, cfg.lease_s)
     slab = (hello.info.slab_path, hello.info.slab_bytes, hello.info.slot_bytes) if hello else None
     return KVMeshClient(spec, cfg, node_id, local, slab, cache_salt,
                         gpu_exports=hello.gpu_exports if hello else ())

@@ -186,18 +186,24 @@ def _convert(name: str, value, typ: str, where: str):
 
 
 def redact_url(url: str) -> str:
-    """`url` with its password (if any) replaced by `***`: for pages, logs and messages."""
-    from urllib.parse import urlsplit, urlunsplit
+    """`url` with its password (if any, in `user:password@` or redis-py's `?password=`) replaced by `***`: for
+    pages, logs and messages."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
     try:
         parts = urlsplit(url)
-    except ValueError:
+        port = parts.port
+    except ValueError:  # (an unreadable URL might hide a password anywhere)
         return "<unreadable url>"
-    if parts.password is None:
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if parts.password is None and not any(k == "password" for k, _ in query):
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    if any(k == "password" for k, _ in query):
+        parts = parts._replace(query=urlencode([(k, "***" if k == "password" else v) for k, v in query], safe="*/"))
+    if parts.password is not None:
+        user = parts.username or ""
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        parts = parts._replace(netloc=f"{user}:***@{host}" + (f":{port}" if port else ""))
+    return urlunsplit(parts)

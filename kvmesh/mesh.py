@@ -46,23 +46,20 @@ def kvnode_actor_class():
 def start(redis_url: str | None = None, *, config: KVMeshConfig | None = None, timeout_s: float = 60.0,
           **options) -> Mesh:
     """Put exactly one KVNode on every alive Ray node; idempotent (existing nodes are kept as they are, new Ray
-    nodes get one). `options` are `KVMeshConfig` fields, e.g. `cpu_bytes=`, `slot_bytes=`, `lease_s=`."""
+    nodes get one). `options` are `KVMeshConfig` fields, e.g. `cpu_bytes=`, `slot_bytes=`, `lease_s=`. Raises
+    `kvmesh.DirectoryUnavailable` (a `ConnectionError`) within about 2 x `lease_s` when the directory does not
+    answer, refuses AUTH or is not Redis."""
     ray = _require_ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from kvmesh.directory import Directory
+    from kvmesh.directory import probe
 
     cfg = config or KVMeshConfig()
     if redis_url is not None:
         options["redis_url"] = redis_url
     cfg = cfg.replace(**options)
-    d = Directory(cfg.redis_url, cfg.key_prefix, timeout_s=5)
-    try:
-        d.ping()
-    except Exception as e:
-        raise ConnectionError(f"kvmesh cannot reach its directory at {cfg.redis_url}: {e}") from None
-    finally:
-        d.close()
+    # before any actor is placed: a directory that cannot answer one PING within a lease cannot keep leases
+    probe(cfg.redis_url, cfg.lease_s)
     cls = kvnode_actor_class()
     extra = {}
     if cfg.gpu_bytes:

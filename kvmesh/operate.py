@@ -165,13 +165,20 @@ def up_join(address: str, config_path: str | None, redis_url: str | None, host: 
 def status(redis_url: str | None, key_prefix: str | None, out=print) -> int:
     import redis
 
+    from kvmesh.config import KVMeshConfig
     from kvmesh.dashboard import Dashboard
+    from kvmesh.directory import DirectoryUnavailable, probe
 
     st = read_state()
     url = redis_url or os.environ.get("KVMESH_REDIS_URL") or (st or {}).get("redis_url")
     prefix = key_prefix or os.environ.get("KVMESH_KEY_PREFIX") or (st or {}).get("key_prefix") or "kvmesh"
     if not url:
         out("kvmesh status: no kvmesh is up on this machine (kvmesh up), and no --redis-url was given")
+        return 1
+    try:  # the cause, in the words connect() and start() use
+        probe(url, KVMeshConfig.load().lease_s)
+    except DirectoryUnavailable as e:
+        out(f"kvmesh status: {e}")
         return 1
     try:
         dash = Dashboard(url, prefix)

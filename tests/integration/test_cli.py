@@ -33,9 +33,12 @@ def test_up_status_down(tmp_path):
 
 def test_status_against_a_dead_cluster_says_so_in_one_line(tmp_path):
     env = dict(os.environ, KVMESH_STATE_DIR=str(tmp_path))
-    r = kvmesh("status", "--redis-url", "redis://127.0.0.1:1/0", env=env, timeout=60)
+    r = kvmesh("status", "--redis-url", "redis://:s3cret@127.0.0.1:1/0", env=env, timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr
     assert len(r.stdout.strip().splitlines()) == 1 and "unreachable" in r.stdout
+    # the same words as kvmesh.connect's DirectoryUnavailable: the URL without its password, and the cause
+    assert "redis://:***@127.0.0.1:1/0 is unavailable" in r.stdout and "s3cret" not in r.stdout
+    assert "Connection refused" in r.stdout, r.stdout
 
 
 def test_bad_configuration_is_one_clear_error(tmp_path):

@@ -75,16 +75,21 @@ def salt_bytes(cache_salt: str | bytes | None, name: str = "cache_salt") -> byte
 
 def chunk_hashes(namespace: bytes, tokens: np.ndarray, chunk_tokens: int,
                  cache_salt: str | bytes | None = None) -> list[bytes]:
-    """Hashes h_1..h_n of the full chunks of `tokens` (a uint32 array from `as_tokens`)."""
+    """Hashes h_1..h_n of the full chunks of `tokens` (a uint32 array from `as_tokens`).
+
+    The chain is sequential, so its cost is BLAKE2b's own (9 compressions per 256-token chunk) plus Python's per
+    chunk: a copy of one personalised state instead of building the parameter block anew, slices of one memoryview
+    over the tokens instead of new bytes, no attribute look-ups in the loop."""
     assert tokens.dtype == np.dtype("<u4") and tokens.flags.c_contiguous
     n = len(tokens) // chunk_tokens
-    data = memoryview(tokens[: n * chunk_tokens]).cast("B")
     step = chunk_tokens * 4
+    data = memoryview(tokens[: n * chunk_tokens]).cast("B")
+    fresh = hashlib.blake2b(digest_size=HASH_BYTES, person=b"kvmesh.chunk").copy
     prev = root_hash(namespace, cache_salt)
-    out = []
+    out = [b""] * n
     for i in range(n):
-        h = hashlib.blake2b(prev, digest_size=HASH_BYTES, person=b"kvmesh.chunk")
+        h = fresh()
+        h.update(prev)
         h.update(data[i * step:(i + 1) * step])
-        prev = h.digest()
-        out.append(prev)
+        out[i] = prev = h.digest()
     return out

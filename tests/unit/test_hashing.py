@@ -89,3 +89,16 @@ def test_token_inputs_are_normalised_alike():
 def test_bad_tokens_raise_typed_errors_naming_the_argument(bad, err):
     with pytest.raises(err, match="tokens"):
         as_tokens(bad)
+
+
+@pytest.mark.parametrize("chunk_tokens, n_tokens", [(1, 5), (3, 100), (256, 256 * 37 + 100)])
+def test_long_chains_match_the_documented_layout(chunk_tokens, n_tokens):
+    # the fast loop (one copied personalised state, memoryview slices) against the layout written out plainly
+    toks = as_tokens(np.random.default_rng(n_tokens).integers(0, 2**32, n_tokens, dtype=np.uint64))
+    h = hashlib.blake2b(SPEC.namespace + b"t", digest_size=16, person=b"kvmesh.salt").digest()
+    want = []
+    for i in range(n_tokens // chunk_tokens):
+        chunk = b"".join(int(t).to_bytes(4, "little") for t in toks[i * chunk_tokens:(i + 1) * chunk_tokens])
+        h = hashlib.blake2b(h + chunk, digest_size=16, person=b"kvmesh.chunk").digest()
+        want.append(h)
+    assert chunk_hashes(SPEC.namespace, toks, chunk_tokens, "t") == want

@@ -67,11 +67,10 @@ def _layers(layout: str, num_layers: int, num_blocks: int, bs: int, heads: int, 
 
 def vllm_load(device, total_bytes: int, timer, layouts=("flash_attn", "flashinfer", "logical"), layers=32, heads=8,
               head_dim=128, block=16, chunk_tokens=256, repeat=5) -> dict:
-    if "vllm" not in sys.modules:
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            install_vllm_stubs()
+    try:  # vLLM itself where it is installed (a bare `import vllm` can find bench/vllm.py: bench/ is sys.path[0])
+        import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401
+    except ImportError:
+        install_vllm_stubs()
     from kvmesh import KVSpec
     from kvmesh.client import connect_local
     from kvmesh.config import KVMeshConfig
@@ -162,6 +161,25 @@ def vllm_load(device, total_bytes: int, timer, layouts=("flash_attn", "flashinfe
                     r["fetch_to_device_s"] = timer(fetch_only, repeat=repeat)
                     r["fetch_to_device_ratio_to_h2d"] = raw_h2d / r["fetch_to_device_s"]
                     r["previous_path_pageable_s"] = timer(lambda: _previous_path(w, job), repeat=2)
+                    # what bounds it: the slab chunks' checksums alone on the client's 4 verifying threads, and on
+                    # 8; the same load with 8 (a diagnostic: the client's pool has 4)
+                    from concurrent.futures import ThreadPoolExecutor
+
+                    from kvmesh.tiers import checksum
+
+                    views = [node.tier.chunk_view(node.tier.slot_of(k)) for k in keys]
+                    for threads in (4, 8):
+                        with ThreadPoolExecutor(threads) as pool:
+                            r[f"verify_{threads}_threads_s"] = timer(lambda: list(pool.map(checksum, views)),
+                                                                     repeat=3)
+                    del views
+                    pool4, client._verify_pool = client._verify_pool, ThreadPoolExecutor(8)
+                    try:
+                        r["load_8_verify_threads_s"] = timer(load, repeat=repeat)
+                        r["ratio_to_h2d_8_verify_threads"] = raw_h2d / r["load_8_verify_threads_s"]
+                    finally:
+                        client._verify_pool.shutdown()
+                        client._verify_pool = pool4
                     r["speedup_vs_previous_path"] = r["previous_path_pageable_s"] / t
                 out[layout] = r
                 w.close()

@@ -1,8 +1,8 @@
 """A store of KV that lives on the GPU (what `kvmesh.integrations.hf.generate` hands over on a CUDA model) returns
 at once, leaves the compute stream alone, and lands bit-exact in a real KVNode (real Redis). Skipped without a GPU.
 
-The GPU machine has no Ray: the client's one Ray call (handing the staged chunks to its node's actor) is replaced
-by a direct call of a plain KVNode, which is what the actor runs."""
+The GPU machine has no Ray: the client reaches a plain KVNode of this process (`connect_local`), which is what the
+actor runs; its store queue hands the staged chunks to it as it would to the actor."""
 
 import time
 
@@ -10,31 +10,13 @@ import pytest
 import torch
 
 from kvmesh import KVSpec
-from kvmesh.client import KVMeshClient
+from kvmesh.client import connect_local
 from kvmesh.config import KVMeshConfig
 from kvmesh.node import KVNode
-from kvmesh.wire import pack_keys, pack_store, unpack_chunk_header
+from kvmesh.wire import pack_keys, unpack_chunk_header
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 SPEC = KVSpec("cuda-store", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", chunk_tokens=64)
-
-
-class DirectClient(KVMeshClient):
-    def __init__(self, node: KVNode, config: KVMeshConfig) -> None:
-        super().__init__(SPEC, config, node.node_id, local_actor=object())
-        self.node = node
-        self.sent = []
-
-    def _send(self, group, keys, staging):
-        self.sent.append(self.node.store(*self._request(group, keys, staging)))
-
-    def _request(self, group, keys, staging):
-        from kvmesh.tiers import checksum
-        from kvmesh.wire import StoreItem
-
-        cb = SPEC.chunk_bytes
-        items = [StoreItem(group, k, cb, checksum(staging[j * cb:(j + 1) * cb])) for j, k in enumerate(keys)]
-        return pack_store(items), staging
 
 
 @pytest.fixture
@@ -51,7 +33,7 @@ def node(tmp_path):
 
 def test_a_store_of_gpu_kv_returns_at_once_and_lands_bit_exact(node):
     n, cfg = node
-    client = DirectClient(n, cfg)
+    client = connect_local(SPEC, n)
     try:
         toks = list(range(SPEC.chunk_tokens * 8))
         kv = torch.randn(SPEC.kv_shape(len(toks)), device="cuda").to(torch.bfloat16)
@@ -62,9 +44,8 @@ def test_a_store_of_gpu_kv_returns_at_once_and_lands_bit_exact(node):
         returned_s = time.perf_counter() - t0
         del kv  # the engine drops its tensor at once; the copy must still read the right bytes
         torch.cuda.empty_cache()
-        client._staged.join()
+        assert client.flush() == 8  # the side-stream copy ran after the busy stream's work, then the node stored
         assert returned_s < 0.2, returned_s  # it did not wait for the busy stream, nor for the copy
-        assert client.sent == [8]
         hashes = client.hashes(toks)
         header, data = n.pull(pack_keys(hashes))
         rows = unpack_chunk_header(header)

@@ -9,7 +9,8 @@
                                      object store, or through this node's KVNode with `coalesce_pulls`), runs from
                                      different holders in parallel. Whatever fails, is corrupt or misses the
                                      deadline truncates the result to the intact leading part; the caller
-                                     recomputes the rest. `last_fetch` says what happened
+                                     recomputes the rest. `last_fetch` says what happened; the
+                                     metrics count the delivered tokens as reused (`record_request`)
     fetch_to_device(match, device)   the same onto a device, layer group by layer group, for a consumer that starts
                                      on layer i while later layers load (`movers.LayerwiseLoad`)
     store(tokens, kv) -> int         hands the full chunks not already cached to the local KVNode and returns their
@@ -67,15 +68,16 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 class KVMeshClient:
     def __init__(self, spec: KVSpec, config: KVMeshConfig, node_id: str | None, local=None,
                  local_slab: tuple[str, int, int] | None = None, cache_salt: str | bytes | None = None,
-                 peers=None, gpu_exports: tuple[bytes, ...] = ()) -> None:
+                 peers=None, gpu_exports: tuple[bytes, ...] = (), count_fetches: bool = True) -> None:
         """`local`: a handle of this node's KVNode (`handle.NodeHandle`, or `LocalHandle` without Ray);
         `local_slab`: its slab (path, bytes, slot bytes); `peers`: node id -> handle of another node's KVNode
         (default: found through Ray); `gpu_exports`: its GPU tier's pools, read device to device where CUDA IPC
-        works here."""
+        works here; `count_fetches`: see `record_request`."""
         self.spec = spec
         self.config = config
         self.node_id = node_id
         self.cache_salt = salt_bytes(cache_salt)
+        self.count_fetches = count_fetches  # whether a fetch counts its tokens as reused (record_request says why)
         self.counts: Counter[str] = Counter()
         self.last_fetch = FetchStats(0, 0, 0.0)
         self.last_store = StoreResult(0)
@@ -215,9 +217,15 @@ class KVMeshClient:
             return False
 
     def record_request(self, reused_local: int, reused_peer: int, recomputed: int) -> None:
-        """Integrations report each request's prompt tokens by where their KV came from (for the metrics)."""
-        self.counts["reused_tokens_local"] += reused_local
-        self.counts["reused_tokens_peer"] += reused_peer
+        """Integrations report each request's prompt tokens by where their KV came from (for the metrics).
+
+        Reused tokens are counted in one place per client, never twice. By default (`count_fetches`) a fetch counts
+        the tokens it delivered, local or peer, whoever called it (the raw API, hf, SGLang), and the reuse given
+        here is not added again: only `recomputed` is. A client made with `count_fetches=False` (vLLM's: its
+        workers fetch per TP rank and per KV group, and the scheduler knows the request) counts reuse here."""
+        if not self.count_fetches:
+            self.counts["reused_tokens_local"] += reused_local
+            self.counts["reused_tokens_peer"] += reused_peer
         self.counts["recomputed_tokens"] += recomputed
 
     def _link(self, holder: Holder) -> str:
@@ -330,6 +338,9 @@ class KVMeshClient:
         self.counts["fetched_bytes_peer"] += st.peer_chunks * cb
         if device.type != "cpu":
             self.counts["fetched_chunks_to_device"] += got
+        if self.count_fetches and self.spec.tp_rank == 0:  # (every TP rank fetches its shard of the same tokens)
+            self.counts["reused_tokens_local"] += st.local_chunks * self.spec.chunk_tokens
+            self.counts["reused_tokens_peer"] += st.peer_chunks * self.spec.chunk_tokens
         for c in match.chunks[:got]:  # by the holder the lookup named first (the one a fetch tries first)
             h = c.holders[0]
             source = "local" if h.node_id == self.node_id else "peer"
@@ -556,16 +567,20 @@ def _resolve(spec: KVSpec, cfg: KVMeshConfig, redis_url, config, options) -> KVM
 
 
 def connect(spec: KVSpec, redis_url: str | None = None, *, cache_salt: str | bytes | None = None,
-            config: KVMeshConfig | None = None, node_id: str | None = None, **options) -> KVMeshClient:
+            config: KVMeshConfig | None = None, node_id: str | None = None, count_fetches: bool = True,
+            **options) -> KVMeshClient:
     """A client for `spec` in this process. Finds the KVNode on this process's Ray node (or on `node_id`: for an
     engine whose Ray connection lands elsewhere, e.g. a child process of an actor) and takes its config (directory
     URL included) unless `redis_url`/`config`/`options` say otherwise. Raises `kvmesh.DirectoryUnavailable` (a
     `ConnectionError` naming the URL, password redacted, and the cause) within about 2 x `lease_s` when the
-    directory does not answer, refuses AUTH or is not Redis; once connected, directory failures are misses."""
+    directory does not answer, refuses AUTH or is not Redis; once connected, directory failures are misses.
+    `count_fetches=False`: the caller reports each request's reuse itself (`KVMeshClient.record_request`)."""
     if not isinstance(spec, KVSpec):
         raise TypeError(f"spec must be a kvmesh.KVSpec, got {type(spec).__name__}")
     if node_id is not None and (not isinstance(node_id, str) or not node_id):
         raise ValueError(f"node_id must be a Ray node id (hex string), got {node_id!r}")
+    if not isinstance(count_fetches, bool):
+        raise TypeError(f"count_fetches must be True or False, got {count_fetches!r}")
     salt_bytes(cache_salt)
     from kvmesh.mesh import _require_ray
 
@@ -591,10 +606,11 @@ def connect(spec: KVSpec, redis_url: str | None = None, *, cache_salt: str | byt
     probe(cfg.redis_url, cfg.lease_s)
     slab = (hello.info.slab_path, hello.info.slab_bytes, hello.info.slot_bytes) if hello else None
     return KVMeshClient(spec, cfg, node_id, local, slab, cache_salt,
-                        gpu_exports=hello.gpu_exports if hello else ())
+                        gpu_exports=hello.gpu_exports if hello else (), count_fetches=count_fetches)
 
 
-def connect_local(spec: KVSpec, node, *, peers=(), cache_salt: str | bytes | None = None, **options) -> KVMeshClient:
+def connect_local(spec: KVSpec, node, *, peers=(), cache_salt: str | bytes | None = None, count_fetches: bool = True,
+                  **options) -> KVMeshClient:
     """A client for `spec` beside a `KVNode` object of this process, without Ray (tests, a GPU machine without a Ray
     cluster). `peers`: other KVNode objects, reachable through their data servers (peer transport "tcp")."""
     if not isinstance(spec, KVSpec):
@@ -604,4 +620,5 @@ def connect_local(spec: KVSpec, node, *, peers=(), cache_salt: str | bytes | Non
     others = {p.node_id: LocalHandle(p, node.node_id) for p in peers}
     info = node.info
     return KVMeshClient(spec, cfg, node.node_id, local, (info.slab_path, info.slab_bytes, info.slot_bytes),
-                        cache_salt, peers=others.get, gpu_exports=node.hello().gpu_exports)
+                        cache_salt, peers=others.get, gpu_exports=node.hello().gpu_exports,
+                        count_fetches=count_fetches)

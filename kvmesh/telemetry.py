@@ -29,7 +29,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvmesh_misses_total": ("counter", ("node", "reason"),
                             "lookups or fetches that fell back to recompute, by reason: not_cached, holder_dead, "
                             "spec_mismatch, directory_error, cost_model, deadline, checksum, peer_error"),
-    "kvmesh_reused_tokens_total": ("counter", ("node", "source"), "prompt tokens whose KV was reused (local, peer)"),
+    "kvmesh_reused_tokens_total": ("counter", ("node", "source"),
+                                   "prompt tokens whose KV was reused (local, peer): fetched, or reported by "
+                                   "vLLM's connector"),
     "kvmesh_recomputed_tokens_total": ("counter", ("node",), "prompt tokens prefilled"),
     "kvmesh_fetched_bytes_total": ("counter", ("node", "source", "tier", "dst"),
                                    "bytes fetched by workers: source local|peer, the holder's tier, the "

@@ -83,7 +83,9 @@ def _connector_for(options: ConnectorOptions):
 
     node_id = options.ray_node_id or os.environ.get("KVMESH_RAY_NODE_ID") or None
     extra = {"fetch_timeout_s": options.fetch_timeout_s} if options.fetch_timeout_s else {}
-    return lambda spec: connect(spec, options.redis_url, node_id=node_id, **extra)
+    # the scheduler reports each request's reuse (record_request); the workers' fetches (per TP rank, per KV group)
+    # would count the same tokens again
+    return lambda spec: connect(spec, options.redis_url, node_id=node_id, count_fetches=False, **extra)
 
 
 def _cpu_writer(vllm_config, block_size: int, head_dim: int, num_kv_heads: int):

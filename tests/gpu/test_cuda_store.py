@@ -13,7 +13,6 @@ from kvmesh import KVSpec
 from kvmesh.client import connect_local
 from kvmesh.config import KVMeshConfig
 from kvmesh.node import KVNode
-from kvmesh.wire import pack_keys, unpack_chunk_header
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 SPEC = KVSpec("cuda-store", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", chunk_tokens=64)
@@ -47,10 +46,9 @@ def test_a_store_of_gpu_kv_returns_at_once_and_lands_bit_exact(node):
         assert client.flush() == 8  # the side-stream copy ran after the busy stream's work, then the node stored
         assert returned_s < 0.2, returned_s  # it did not wait for the busy stream, nor for the copy
         hashes = client.hashes(toks)
-        header, data = n.pull(pack_keys(hashes))
-        rows = unpack_chunk_header(header)
-        assert len(rows) == 8
-        got = torch.frombuffer(bytearray(data.tobytes()), dtype=torch.bfloat16).view(8, *SPEC.chunk_shape)
+        pulled = n.pull(hashes)  # what a peer reads from the node, verified by it
+        assert len(pulled.rows) == 8
+        got = torch.frombuffer(bytearray(pulled.data.tobytes()), dtype=torch.bfloat16).view(8, *SPEC.chunk_shape)
         C = SPEC.chunk_tokens
         for i in range(8):
             assert torch.equal(got[i], expected[:, :, i * C:(i + 1) * C])

@@ -98,6 +98,12 @@ class Cascade:
     def _tiers(self):
         return [t for t in (self.gpu, self.cpu, self.disk) if t is not None]
 
+    @property
+    def _disk(self) -> DiskTier:
+        """The disk tier, where the caller knows there is one (a disk write or read is under way)."""
+        assert self.disk is not None, "no disk tier"
+        return self.disk
+
     def best_tier(self, key: bytes) -> int | None:
         for t in self._tiers():
             if t.slot_of(key) is not None:
@@ -132,13 +138,16 @@ class Cascade:
     def _write_through(self, cpu_slot: int) -> None:
         if self.disk is None or self.write_policy != "write_through":
             return
-        if self.disk.slot_of(self.cpu.record(cpu_slot).key) is None:
+        key = self.cpu.record(cpu_slot).key
+        assert key is not None  # (the chunk just stored)
+        if self.disk.slot_of(key) is None:
             self._queue_write(cpu_slot)  # if the buffers are all in use, write-back on eviction still applies
 
     def _evicting(self, tier: SlotPool):
         def on_evict(slot: int) -> None:
             rec = tier.record(slot)
             key = rec.key
+            assert key is not None  # (a victim holds a chunk)
             self.evictions[TIER_NAMES[tier.tier_id]] += 1
             if tier is self.gpu and self.cpu.slot_of(key) is None:
                 self._copy(self.gpu, slot, self.cpu)  # demote instead of dropping
@@ -154,7 +163,7 @@ class Cascade:
         return on_evict
 
     def _above_or_on_disk(self, key: bytes) -> bool:
-        return (self.gpu is not None and key in self.gpu._by_key) or key in self.disk._by_key
+        return (self.gpu is not None and key in self.gpu._by_key) or key in self._disk._by_key
 
     def _best_except(self, key: bytes, leaving: SlotPool) -> int | None:
         for t in self._tiers():
@@ -171,7 +180,8 @@ class Cascade:
         if not self._pool and self._pool_made >= self.writeback_buffers:
             self.counts["write_buffers_full"] += 1
             return False
-        t = self.disk.prepare_store(rec.key, rec.group, rec.nbytes, on_evict=self._evicting(self.disk))
+        assert rec.key is not None  # (a chunk being evicted or written through)
+        t = self._disk.prepare_store(rec.key, rec.group, rec.nbytes, on_evict=self._evicting(self._disk))
         if t is None:
             return False
         if self._pool:
@@ -194,11 +204,11 @@ class Cascade:
         if self._pending.get(key) is job:
             del self._pending[key]
         if ok:
-            self.disk.complete_store(job.ticket, job.checksum)
+            self._disk.complete_store(job.ticket, job.checksum)
             self.counts["disk_writes"] += 1
-            self._flow(self.cpu, self.disk, job.nbytes)
+            self._flow(self.cpu, self._disk, job.nbytes)
         else:
-            self.disk.abort_store(job.ticket)
+            self._disk.abort_store(job.ticket)
             self.counts["disk_write_errors"] += 1
         if job.buffer is not None:
             self._pool.append(job.buffer)
@@ -207,6 +217,7 @@ class Cascade:
     def _copy(self, src: SlotPool, slot: int, dst: SlotPool, protect=frozenset()) -> int | None:
         """Copy the chunk in src's slot into a new slot of dst (memory tiers); None if dst had no room."""
         rec = src.record(slot)
+        assert rec.key is not None  # (a chunk being copied between tiers)
         t = dst.prepare_store(rec.key, rec.group, rec.nbytes, on_evict=self._evicting(dst), protect=protect)
         if t is None:
             return None
@@ -268,13 +279,13 @@ class Cascade:
     def finish_host(self, keys: list[bytes], n: int, reads: list[DiskRead], ok: list[bool]) -> list[int]:
         good = n
         for r, fine in zip(reads, ok):
-            if self.disk.record(r.disk_slot).key == r.key:
-                self.disk.unpin([r.disk_slot])
+            if self._disk.record(r.disk_slot).key == r.key:
+                self._disk.unpin([r.disk_slot])
             if fine:
                 self.cpu.complete_store(r.ticket, r.checksum)
                 self.changes[(self.cpu.record(r.ticket.slot).group, r.key)] = self.best_tier(r.key)
                 self.counts["disk_reads"] += 1
-                self._flow(self.disk, self.cpu, r.nbytes)
+                self._flow(self._disk, self.cpu, r.nbytes)
             else:
                 self.cpu.abort_store(r.ticket)
                 good = min(good, keys.index(r.key))
@@ -286,24 +297,26 @@ class Cascade:
         return slots
 
     def run_reads(self, reads: list[DiskRead]) -> list[bool]:
-        """Do the disk reads of `prepare_host` (blocking I/O: call it without the node's lock). A chunk whose
+        """Do the disk reads of `prepare_host` (blocking I/O: call it without the node's lock): on the disk tier's
+        reader threads, several in flight, each chunk verified as it lands in its reserved CPU slot. A chunk whose
         bytes fail their checksum is dropped from the disk tier for good (its commit record is erased)."""
-        from kvmesh.tiers import checksum
+        from kvmesh.tiers.disk import READ_CORRUPT, READ_OK, ChunkRead
 
-        ok = []
-        for r in reads:
-            try:
-                view = self.disk.read_chunk(r.disk_slot, r.nbytes, into=self.cpu.buffer(r.ticket.slot))
-                good = checksum(view) == r.checksum
-                if not good:
-                    self.counts["disk_checksum_failures"] += 1
-                    self.disk.invalidate(r.disk_slot)
-                    self._corrupt.append(r.key)
-            except OSError:
+        if not reads:
+            return []
+        outcomes = self._disk.read_verified([ChunkRead(r.disk_slot, r.nbytes, r.checksum,
+                                                      self.cpu.buffer(r.ticket.slot)) for r in reads])
+        for r, outcome in zip(reads, outcomes):
+            if outcome == READ_CORRUPT:
+                self.counts["disk_checksum_failures"] += 1
+                try:
+                    self._disk.invalidate(r.disk_slot)
+                except OSError:  # the record stays; the chunk is dropped from the tier below all the same
+                    pass
+                self._corrupt.append(r.key)
+            elif outcome != READ_OK:
                 self.counts["disk_read_errors"] += 1
-                good = False
-            ok.append(good)
-        return ok
+        return [o == READ_OK for o in outcomes]
 
     def pin_host(self, keys: list[bytes]) -> list[int]:
         """Both phases at once (reads done inline): for callers that may block, such as tests."""

@@ -102,3 +102,18 @@ def test_disk_directories_are_claimed_one_per_live_node_and_outlive_node_ids(tmp
     assert d not in (a, b)
     for f in (fb, fc, fd):
         os.close(f)
+
+
+def test_read_verified_reads_on_the_tier_threads_and_names_each_outcome(disk):
+    from kvmesh.tiers.disk import READ_CORRUPT, READ_FAILED, READ_OK, ChunkRead
+
+    slots = [write(disk, i) for i in (1, 2, 3)]
+    # chunk 2's bytes are damaged on disk under its valid record
+    os.pwrite(disk._fd, b"\x00" * 10, slots[1] * (HEADER + disk.stride) + HEADER + 100)
+    intos = [aligned_buffer(SLOT) for _ in range(4)]
+    reads = [ChunkRead(s, SLOT, checksum(bytes([i]) * SLOT), into) for s, i, into in zip(slots, (1, 2, 3), intos)]
+    reads.append(ChunkRead(disk.num_slots, SLOT, 0, intos[3]))  # past the end of the file: an I/O error
+    assert disk.read_verified(reads) == [READ_OK, READ_CORRUPT, READ_OK, READ_FAILED]
+    # every read landed in its own buffer before the call returned
+    assert bytes(intos[0][:SLOT]) == bytes([1]) * SLOT and bytes(intos[2][:SLOT]) == bytes([3]) * SLOT
+    assert disk.read_verified([]) == []

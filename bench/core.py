@@ -4,6 +4,10 @@
   (b) cross-node fetch throughput vs a raw loopback TCP stream between two processes  goal >= 0.8
   (c) same-node fetch throughput vs memcpy of the same bytes                        goal >= 0.5
 
+Headline ratios (top-level keys), each measured in the fetching worker, alternating fetch and baseline:
+  same_node_over_ceiling  same-node fetch vs copy + checksum of the same chunks in-process   goal >= 0.8
+  cross_node_over_tcp     cross-node fetch vs one raw loopback TCP stream into that worker   goal >= 0.8
+
 Run: .venv/bin/python bench/core.py [--fetch-mib 256] [--repeat 5]
 """
 
@@ -44,31 +48,53 @@ while True:
 """
 
 
-def tcp_baseline(nbytes: int, repeat: int, block: int = 4 * MiB) -> float:
-    """GB/s of one loopback TCP stream between two processes (sendall / recv_into, 4 MiB blocks)."""
+def tcp_server(nbytes: int, block: int = 4 * MiB):
+    """A process that sends `nbytes` on each connection (until told to stop): (process, port)."""
     srv = subprocess.Popen([sys.executable, "-c", TCP_SERVER, str(nbytes), str(block)], stdout=subprocess.PIPE,
                            text=True)
-    port = int(srv.stdout.readline())
-    dst = np.zeros(nbytes, dtype=np.uint8)
-    mv = memoryview(dst)
+    return srv, int(srv.stdout.readline())
 
-    def once():
-        c = socket.create_connection(("127.0.0.1", port))
-        c.sendall(b"g")
-        got = 0
-        while got < nbytes:
-            k = c.recv_into(mv[got:], min(block, nbytes - got))
-            if not k:
-                raise RuntimeError("short read")
-            got += k
-        c.close()
 
-    t = median_time(once, repeat, warmup=1)
+def tcp_server_stop(srv, port: int) -> None:
     c = socket.create_connection(("127.0.0.1", port))
     c.sendall(b"x")
     c.close()
     srv.wait(timeout=10)
+
+
+def tcp_receive(port: int, dst: np.ndarray, block: int = 4 * MiB) -> None:
+    """One transfer of `tcp_server`'s bytes into `dst` (recv_into, 4 MiB blocks)."""
+    nbytes = dst.size
+    mv = memoryview(dst)
+    c = socket.create_connection(("127.0.0.1", port))
+    c.sendall(b"g")
+    got = 0
+    while got < nbytes:
+        k = c.recv_into(mv[got:], min(block, nbytes - got))
+        if not k:
+            raise RuntimeError("short read")
+        got += k
+    c.close()
+
+
+def tcp_baseline(nbytes: int, repeat: int, block: int = 4 * MiB) -> float:
+    """GB/s of one loopback TCP stream between two processes (sendall / recv_into, 4 MiB blocks)."""
+    srv, port = tcp_server(nbytes, block)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    t = median_time(lambda: tcp_receive(port, dst, block), repeat, warmup=1)
+    tcp_server_stop(srv, port)
     return nbytes / t / 1e9
+
+
+def _pairs(r: dict) -> dict:
+    """A `Worker.paired` result: throughputs (median and best) and the ratio fetch/baseline, as the median of
+    the per-pair ratios (the headline) and as the ratio of the best times."""
+    f, b, n = r["fetch_s"], r["baseline_s"], r["bytes"]
+    return {"pairs": len(f), "torch_threads": r["torch_threads"],
+            "fetch_gbps": n / statistics.median(f) / 1e9, "baseline_gbps": n / statistics.median(b) / 1e9,
+            "fetch_gbps_best": n / min(f) / 1e9, "baseline_gbps_best": n / min(b) / 1e9,
+            "ratio": statistics.median(bs / fs for fs, bs in zip(f, b)), "ratio_best": min(b) / min(f),
+            "fetch_ms": [round(x * 1e3, 2) for x in f], "baseline_ms": [round(x * 1e3, 2) for x in b]}
 
 
 def memcpy_baseline(nbytes: int, repeat: int) -> float:
@@ -191,6 +217,54 @@ def bench_fetch(fetch_bytes: int, repeat: int) -> dict:
                     del kv
                 return m.num_tokens, statistics.median(times[1:]), c.last_fetch
 
+            def paired(self, n, repeat, transport, baseline, tcp_port=0, threads=0):
+                """The fetch (into a preallocated buffer) and its baseline, alternately in this process with the
+                same torch threads, `repeat` pairs: the ratio of each adjacent pair cancels the machine's load
+                drifting between them (a shared machine). baseline: "ceiling" (copy + checksum of the same
+                chunks out of private memory into the same buffer) or "tcp" (one raw loopback TCP stream)."""
+                from kvmesh.tiers import checksum
+
+                if threads:  # for this call only (the worker's own setting is 1)
+                    before = torch.get_num_threads()
+                    torch.set_num_threads(threads)
+                    try:
+                        return self.paired(n, repeat, transport, baseline, tcp_port)
+                    finally:
+                        torch.set_num_threads(before)
+                c = self.clients[transport]
+                m = c.lookup(list(range(n)))
+                out = torch.empty(spec.kv_shape(m.num_tokens), dtype=spec.torch_dtype)
+                out.fill_(0)
+                nch, cb, ct = m.num_chunks, spec.chunk_bytes, spec.chunk_tokens
+                if baseline == "ceiling":
+                    src = np.random.default_rng(1).integers(0, 255, (nch, cb), dtype=np.uint8)
+                    u8 = out.view(torch.uint8).view(spec.num_layers, 2, out.shape[2], -1)
+
+                    def base():
+                        for i in range(nch):
+                            u8[:, :, i * ct:(i + 1) * ct].copy_(torch.from_numpy(src[i]).view(
+                                spec.num_layers, 2, ct, -1))
+                            checksum(src[i])
+                else:
+                    dst = np.empty(nch * cb, dtype=np.uint8)
+                    base = lambda: tcp_receive(tcp_port, dst)  # noqa: E731
+
+                fetch_s, base_s = [], []
+                for k in range(repeat + 1):
+                    t0 = time.perf_counter()
+                    kv = c.fetch(m, out=out)
+                    t1 = time.perf_counter()
+                    base()
+                    t2 = time.perf_counter()
+                    assert kv.shape[2] == m.num_tokens, (kv.shape, c.last_fetch)
+                    if k:  # the first pair warms up
+                        fetch_s.append(t1 - t0)
+                        base_s.append(t2 - t1)
+                st = c.last_fetch
+                assert (st.local_chunks if baseline == "ceiling" else st.peer_chunks) == nch, st
+                return {"bytes": nch * cb, "fetch_s": fetch_s, "baseline_s": base_s,
+                        "torch_threads": torch.get_num_threads()}
+
         wa = Worker.options(scheduling_strategy=NA(a, soft=False)).remote()
         wb = Worker.options(scheduling_strategy=NA(b, soft=False)).remote()
         stored = ray.get(wa.store.remote(n_tokens))
@@ -205,6 +279,15 @@ def bench_fetch(fetch_bytes: int, repeat: int) -> dict:
                 n, peer_s, st = ray.get(wb.fetch.remote(n_tokens, repeat, transport, prealloc))
                 assert st.peer_chunks == stored
                 res[f"cross_node_{transport}_gbps{tag}"] = n * spec.token_bytes / peer_s / 1e9
+        pairs = 3 * repeat
+        res["same_node_paired"] = _pairs(ray.get(wa.paired.remote(n_tokens, pairs, "tcp", "ceiling")))
+        res["same_node_paired_all_threads"] = _pairs(ray.get(wa.paired.remote(n_tokens, pairs, "tcp", "ceiling",
+                                                                               threads=os.cpu_count() or 1)))
+        srv, port = tcp_server(res["bytes"])
+        try:
+            res["cross_node_paired"] = _pairs(ray.get(wb.paired.remote(n_tokens, pairs, "tcp", "tcp", port)))
+        finally:
+            tcp_server_stop(srv, port)
         return res
     finally:
         kvmesh.stop()
@@ -232,13 +315,19 @@ def main() -> None:
     tcp = tcp_baseline(fetch["bytes"], args.repeat)
     memcpy = memcpy_baseline(fetch["bytes"], args.repeat)
     bound = copy_checksum_bound(fetch["bytes"], fetch["chunk_bytes"], 4, 256, args.repeat)  # bench_fetch's spec
+    same, cross = fetch.pop("same_node_paired"), fetch.pop("cross_node_paired")
+    same_all = fetch.pop("same_node_paired_all_threads")
     save("core", {
+        # the headline ratios of the data plane: each fetch against its baseline in the same worker process
+        # (same torch threads), alternately, the median of the per-pair ratios (see Worker.paired)
+        "same_node_over_ceiling": same["ratio"], "cross_node_over_tcp": cross["ratio"],
         "a_lookup": lookup,
         "b_cross_node_fetch": {
             "fetch_gbps": fetch["cross_node_tcp_gbps"], "tcp_loopback_gbps": tcp,
             "ratio": fetch["cross_node_tcp_gbps"] / tcp, "goal": ">= 0.8",
             "ray_object_store_gbps": fetch["cross_node_ray_gbps"],
             "ratio_ray_object_store": fetch["cross_node_ray_gbps"] / tcp,
+            "paired": cross,
             "note": "fetch into a preallocated buffer through the KVNodes' TCP data servers; the Ray object-store "
                     "path is the fallback transport"},
         "c_same_node_fetch": {
@@ -246,9 +335,14 @@ def main() -> None:
             "ratio": fetch["same_node_gbps"] / memcpy, "goal": ">= 0.5",
             "copy_checksum_gbps": bound, "ceiling_ratio": bound / memcpy,
             "fetch_vs_ceiling": fetch["same_node_gbps"] / bound,
+            "paired": same, "goal_paired": ">= 0.8 (same_node_over_ceiling)", "paired_all_threads": same_all,
             "note": "copy out of the node's shared-memory slab plus a checksum pass, into a preallocated buffer; "
                     "memcpy also into a preallocated buffer; copy_checksum_gbps: the same copy and checksum alone, "
-                    "in-process (what (c) can reach at most)"},
+                    "in-process (what (c) can reach at most); fetch_vs_ceiling compares a worker's fetch with "
+                    "this driver's ceiling, measured at another moment with the driver's torch threads; paired: "
+                    "the same ceiling in the fetching worker, alternating with its fetches (the headline); "
+                    "paired_all_threads: the same with torch using every core for the copies, fetch and ceiling "
+                    "alike"},
         "fetch_setup": fetch,
     })
 

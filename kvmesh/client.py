@@ -86,9 +86,8 @@ class KVMeshClient:
                                "local-disk": LinkModel(5e8, 5e-3), "peer-disk": LinkModel(4e8, 6e-3)})
         self.directory = Directory(config.redis_url, config.key_prefix, timeout_s=config.lookup_timeout_s)
         self.view = NodeView(self.directory.node_table, DIRECTORY_RETRY_S, config.node_refresh_s)
-        self._orphans = getattr(local, "orphans", None)  # replies of this client's calls that came too late
-        if self._orphans is None:
-            self._orphans = Orphans()
+        orphans = getattr(local, "orphans", None)  # replies of this client's calls that came too late
+        self._orphans: Orphans = orphans if orphans is not None else Orphans()
         self._local = local
         self._peers_given = peers
         self._peers: dict[str, object] = {}
@@ -526,7 +525,7 @@ class KVMeshClient:
         self._verify_pool.shutdown(wait=False)
         self.directory.close()
 
-    def __enter__(self) -> "KVMeshClient":
+    def __enter__(self) -> KVMeshClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -101,7 +101,7 @@ class KVMeshConfig:
     def num_slots(self) -> int:
         return self.cpu_bytes // self.slot_bytes
 
-    def replace(self, **changes) -> "KVMeshConfig":
+    def replace(self, **changes) -> KVMeshConfig:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise TypeError(f"unknown kvmesh option(s): {', '.join(sorted(unknown))}")
@@ -111,7 +111,7 @@ class KVMeshConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def load(cls, path: str | None = None, env: Mapping[str, str] | None = None, **overrides) -> "KVMeshConfig":
+    def load(cls, path: str | None = None, env: Mapping[str, str] | None = None, **overrides) -> KVMeshConfig:
         env = os.environ if env is None else env
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values: dict = {}
@@ -165,7 +165,8 @@ def parse_size(text) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _convert(name: str, value, typ: str, where: str):
+def _convert(name: str, value, typ, where: str):
+    # `typ`: a dataclass field's type, which `from __future__ import annotations` keeps as its string
     try:
         if typ == "int":
             return parse_size(value) if name.endswith("_bytes") else int(value)

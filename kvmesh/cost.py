@@ -27,11 +27,11 @@ import numpy as np
 WINDOW = 64  # observations kept per model
 
 
-def _lstsq(rows: list[list[float]], ys: list[float], prior: np.ndarray | None = None) -> np.ndarray | None:
+def _lstsq(rows: list[list[float]], ys: list[float], prior: np.ndarray | None = None) -> np.ndarray:
     """Least squares of relative error (each observation weighted by 1 / its time): a 10 ms prefill is fitted
-    as well as a 1 s one, so short prompts are not misjudged by a fit that only the long ones shaped."""
-    if not rows:
-        return prior
+    as well as a 1 s one, so short prompts are not misjudged by a fit that only the long ones shaped. Callers
+    pass at least one row."""
+    assert rows, "a fit needs an observation"
     a, y = np.asarray(rows, dtype=float), np.asarray(ys, dtype=float)
     w = 1.0 / np.maximum(y, 1e-9)
     a, y = a * w[:, None], y * w
@@ -171,6 +171,7 @@ class CostModel:
             return total
 
         coef = self.prefill._coef
+        assert coef is not None  # (the estimate above came from it)
         ks = np.arange(m + 1)
 
         def prefill(n_new: np.ndarray, n_past: np.ndarray) -> np.ndarray:

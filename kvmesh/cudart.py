@@ -36,7 +36,7 @@ class IpcHandle(ctypes.Structure):
         return bytes(self.reserved)
 
     @classmethod
-    def of(cls, raw: bytes) -> "IpcHandle":
+    def of(cls, raw: bytes) -> IpcHandle:
         if len(raw) != 64:
             raise ValueError("a cudaIpcMemHandle_t is 64 bytes")
         h = cls()

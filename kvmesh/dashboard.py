@@ -70,7 +70,7 @@ class Dashboard:
                                           daemon=True),
                          threading.Thread(target=self._sample_loop, name="kvmesh-dashboard-sample", daemon=True)]
 
-    def start(self) -> "Dashboard":
+    def start(self) -> Dashboard:
         self._sample()
         for t in self._threads:
             t.start()
@@ -115,7 +115,8 @@ class Dashboard:
             nodes.append({"node_id": node_id, "incarnation": s.get("incarnation"), "alive": False,
                           "lease_left_s": 0, "tiers": s.get("tiers", [])})
         nodes.sort(key=lambda n: (not n["alive"], n["node_id"]))
-        traffic, top = [], {}
+        traffic: list[dict] = []
+        top: dict[str, dict] = {}
         for holder, s in stats.items():
             for peer, nbytes in s.get("served_bytes", {}).items():
                 traffic.append({"from": holder, "to": peer, "bytes": nbytes})

@@ -12,6 +12,10 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvmesh.client import KVMeshClient
 
 MiB = 1 << 20
 
@@ -48,9 +52,9 @@ class DemoWorker:
         self.model = tiny_llama(o.seed, hidden_size=o.hidden_size, num_layers=o.layers,
                                 intermediate_size=o.hidden_size * 11 // 4, max_position_embeddings=16384)
         self.spec = spec_for_model(self.model, chunk_tokens=o.chunk_tokens)
-        self.client = None
+        self.client: KVMeshClient | None = None  # set by connect()
 
-    def connect(self) -> str:
+    def connect(self) -> str | None:
         import kvmesh
 
         self.client = kvmesh.connect(self.spec)
@@ -61,6 +65,7 @@ class DemoWorker:
 
         r = generate(self.model, prompt, self.opts.new_tokens, client=self.client if use_kvmesh else None)
         if use_kvmesh:
+            assert self.client is not None, "connect() first"
             self.client.flush()  # make the demo deterministic: the next request sees this one's chunks
         return {k: v for k, v in asdict(r).items() if k != "first_logits"}
 

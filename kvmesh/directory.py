@@ -222,7 +222,7 @@ class NodeTable:
     live: dict[int, NodeInfo]  # incarnation -> info, only for unexpired current incarnations
     dead: tuple[str, ...]  # node ids whose lease has lapsed but which have not left
     deadlines: dict[int, int]  # incarnation -> lease deadline (ms, Redis clock) of the live ones
-    dead_incarnations: dict[str, int] = None  # node id -> the lapsed incarnation, for the janitor's purge
+    dead_incarnations: dict[str, int] | None = None  # node id -> the lapsed incarnation, for the janitor's purge
 
     def by_node(self) -> dict[str, NodeInfo]:
         return {info.node_id: info for info in self.live.values()}

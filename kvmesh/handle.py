@@ -28,7 +28,7 @@ their own callers.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -65,7 +65,7 @@ class NodeHello:
                               list(self.gpu_exports)], use_bin_type=True)
 
     @classmethod
-    def unpack(cls, data: bytes) -> "NodeHello":
+    def unpack(cls, data: bytes) -> NodeHello:
         o = msgpack.unpackb(data, raw=False)
         _v, info, inc, cfg = o[:4]
         exports = tuple(e for e in o[4] if isinstance(e, bytes)) if len(o) > 4 and isinstance(o[4], list) else ()
@@ -80,7 +80,7 @@ class Pinned:
     pin_id: int
     chunks: list[PinnedChunk]  # in the CPU slab, for the keys after the GPU-tier ones
     slab_path: str  # the slab the slots index (a restarted node has a new one)
-    gpu: list[PinnedChunk] = ()  # the leading keys pinned in the GPU tier (asked with gpu=True); checksum = the
+    gpu: Sequence[PinnedChunk] = ()  # the leading keys pinned in the GPU tier (asked with gpu=True); checksum = the
     # device checksum recorded when the chunk was placed (tiers.devsum)
 
 
@@ -116,7 +116,7 @@ class Done(Pending[T]):
         self._value, self._error = value, error
 
     @classmethod
-    def of(cls, fn: Callable[[], T]) -> "Done[T]":
+    def of(cls, fn: Callable[[], T]) -> Done[T]:
         try:
             return cls(fn())
         except (WireError, ConnectionError, TimeoutError, OSError) as e:
@@ -136,7 +136,7 @@ class Done(Pending[T]):
 
 
 class _RayPending(Pending[T]):
-    def __init__(self, ref, decode: Callable[[object], T], orphans: "Orphans") -> None:
+    def __init__(self, ref, decode: Callable[[object], T], orphans: Orphans) -> None:
         self._ref, self._decode, self._orphans = ref, decode, orphans
 
     def result(self, timeout: float | None) -> T:
@@ -229,7 +229,7 @@ class NodeHandle:
         self.orphans = orphans if orphans is not None else Orphans()
 
     @classmethod
-    def find(cls, node_id: str, requester: str = "", orphans: Orphans | None = None) -> "NodeHandle | None":
+    def find(cls, node_id: str, requester: str = "", orphans: Orphans | None = None) -> NodeHandle | None:
         """The KVNode of `node_id`, or None where there is none (or no Ray connection: never start one here)."""
         import ray
 
@@ -324,7 +324,7 @@ class KVNodeActor:
         self.node = KVNode(config, node_id, actor_name, host)
 
     @classmethod
-    def around(cls, node) -> "KVNodeActor":
+    def around(cls, node) -> KVNodeActor:
         """The wire edge of an existing KVNode object (tests speak wire messages to it in-process)."""
         edge = cls.__new__(cls)
         edge.node = node

@@ -83,7 +83,7 @@ def chunk_hashes(namespace: bytes, tokens: np.ndarray, chunk_tokens: int,
     assert tokens.dtype == np.dtype("<u4") and tokens.flags.c_contiguous
     n = len(tokens) // chunk_tokens
     step = chunk_tokens * 4
-    data = memoryview(tokens[: n * chunk_tokens]).cast("B")
+    data = tokens[: n * chunk_tokens].data.cast("B")  # (the array's own memoryview)
     fresh = hashlib.blake2b(digest_size=HASH_BYTES, person=b"kvmesh.chunk").copy
     prev = root_hash(namespace, cache_salt)
     out = [b""] * n

@@ -136,6 +136,7 @@ class RedisServer:
                         return
                 except redis.RedisError:
                     pass
+                assert self.proc is not None  # started before it is waited for
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
                 if time.monotonic() > deadline:
@@ -158,7 +159,7 @@ class RedisServer:
         self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> "RedisServer":
+    def __enter__(self) -> RedisServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -210,7 +211,7 @@ class RedisClusterServers:
         for s in self.servers:
             s.stop()
 
-    def __enter__(self) -> "RedisClusterServers":
+    def __enter__(self) -> RedisClusterServers:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -45,10 +45,10 @@ class Match:
     def num_chunks(self) -> int:
         return len(self.chunks)
 
-    def truncate(self, num_chunks: int) -> "Match":
+    def truncate(self, num_chunks: int) -> Match:
         return replace(self, chunks=self.chunks[:max(0, num_chunks)], plan=None)
 
-    def select(self, first: int, end: int) -> "Match":
+    def select(self, first: int, end: int) -> Match:
         """Chunks [first, end) of this match (e.g. the part a split plan loads)."""
         return replace(self, chunks=self.chunks[first:end], start=self.start + first, plan=None)
 

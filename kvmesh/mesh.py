@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from kvmesh.config import KVMeshConfig
 from kvmesh.handle import ACTOR_PREFIX, NAMESPACE, KVNodeActor, NodeHandle, actor_name
@@ -111,7 +112,7 @@ def _node_alive(ray, node_id: str) -> bool:
     return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
 
 
-def node_actors() -> dict[str, object]:
+def node_actors() -> dict[str, Any]:
     """node id -> actor handle, for every KVNode in the cluster."""
     ray = _require_ray()
     out = {}

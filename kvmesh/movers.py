@@ -112,8 +112,9 @@ def _as_bytes(buf) -> torch.Tensor:
 
 def to_host(chunks: torch.Tensor, host_dsts: Sequence, stream: torch.cuda.Stream | None = None):
     """Copy device chunks [N, ...] (contiguous) into N host buffers of chunk size, one DMA each, on `stream`
-    (default: a new side stream that first waits for the work queued so far on the current stream). Returns the CUDA event that marks the
-    end, or None on the CPU (done synchronously). Keep `chunks` alive until the event has passed."""
+    (default: a new side stream that first waits for the work queued so far on the current stream). Returns the
+    CUDA event that marks the end, or None on the CPU (done synchronously). Keep `chunks` alive until the event has
+    passed."""
     n = chunks.shape[0]
     flat = chunks.view(n, -1).view(torch.uint8) if chunks.dtype != torch.uint8 else chunks.view(n, -1)
     if not chunks.is_cuda:
@@ -183,7 +184,7 @@ def load_and_store_paged(load: tuple, store: tuple, batch_chunks: int = 8) -> tu
 
 def _drain(batches):
     done = None
-    for done in batches:
+    for done in batches:  # noqa: B007 (the loop runs the generator; its last item is the result)
         pass
     return done
 
@@ -261,7 +262,7 @@ class LayerwiseLoad:
     events: list  # per layer: a CUDA event, or None when already complete (CPU)
     stream: torch.cuda.Stream | None = None
     _keep: list = field(default_factory=list)  # host buffers referenced by queued copies
-    started: object = None  # CUDA event recorded before the first copy (None on the CPU)
+    started: torch.cuda.Event | None = None  # CUDA event recorded before the first copy (None on the CPU)
     cpu_seconds: float = 0.0  # on the CPU, how long the (synchronous) copies took
     checks: list = field(default_factory=list)  # futures of checksum verifications running beside the copies
     checked: list = field(default_factory=list)  # checks[j] verifies chunk checked[j] (when given)
@@ -276,7 +277,7 @@ class LayerwiseLoad:
         if ev is not None:
             torch.cuda.current_stream(self.staging.device).wait_event(ev)
 
-    def then(self, fn: Callable[[int, torch.Tensor], None]) -> "LayerwiseLoad":
+    def then(self, fn: Callable[[int, torch.Tensor], None]) -> LayerwiseLoad:
         """The consumer runs on a stream of its own, so it overlaps the copies of later layers."""
         if self.stream is None:
             for layer in range(self.num_layers):
@@ -390,7 +391,7 @@ def to_device(host_srcs: Sequence, spec: KVSpec, device: torch.device | str, *, 
     stream = stream or torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))  # staging may have been allocated on the compute stream
     staging.record_stream(stream)
-    events = [None] * spec.num_layers
+    events: list[torch.cuda.Event | None] = [None] * spec.num_layers
     started = torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(stream):
         started.record(stream)

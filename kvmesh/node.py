@@ -31,6 +31,7 @@ import secrets
 import threading
 import time
 from collections import Counter
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -94,7 +95,8 @@ class KVNode:
         self.node_id = node_id
         self.stats_counts: Counter[str] = Counter()
         self.lock = threading.Lock()  # guards the cascade (tiers), the pins and the stats
-        self._pins: dict[int, tuple[list[int], float]] = {}  # pin id -> (slots, monotonic deadline)
+        # pin id -> (slab slots, GPU-tier slots, monotonic deadline)
+        self._pins: dict[int, tuple[list[int], list[int], float]] = {}
         self._pin_ids = itertools.count(1)
         cfg = self.config
         os.makedirs(cfg.shm_dir, exist_ok=True)
@@ -116,7 +118,8 @@ class KVNode:
         self.cascade = Cascade(self.tier, self._gpu_tier(), disk, cfg.write_policy)
         self._io: queue.SimpleQueue = queue.SimpleQueue()  # disk writes and the start-up verification (I/O threads)
         recovered = disk.recover() if disk is not None else []
-        if recovered:  # readable at once (every disk read is verified); registered once verified below
+        if disk is not None and recovered:  # readable at once (every disk read is verified); registered once
+            # verified below
             disk.adopt([(r.slot, r.key, r.group, r.nbytes, r.checksum) for r in recovered])
             for r in recovered:
                 self._io.put(("verify", r))
@@ -225,7 +228,11 @@ class KVNode:
             self.stats_counts["pins"] += 1
             self.stats_counts["pinned_chunks"] += len(slots) + len(on_gpu)
             self.stats_counts["pinned_gpu_chunks"] += len(on_gpu)
-        gpu_rows = [PinnedChunk(s, self.cascade.gpu.record(s).nbytes, c) for s, c in on_gpu]
+        gpu_rows = []
+        if on_gpu:
+            gpu_tier = self.cascade.gpu
+            assert gpu_tier is not None  # (they were pinned in it)
+            gpu_rows = [PinnedChunk(s, gpu_tier.record(s).nbytes, c) for s, c in on_gpu]
         return Pinned(pin_id, rows, self.info.slab_path, gpu_rows)
 
     def _pin_gpu(self, keys: list[bytes]) -> list[tuple[int, int]]:
@@ -275,6 +282,7 @@ class KVNode:
         slots, gpu_slots, _deadline = entry
         self.tier.unpin(slots)
         if gpu_slots:
+            assert self.cascade.gpu is not None  # (they were pinned in it)
             self.cascade.gpu.unpin(gpu_slots)
 
     def report_corrupt(self, keys: list[bytes]) -> int:
@@ -287,7 +295,8 @@ class KVNode:
                     bad.append(s)
         finally:
             with self.lock:
-                bad_keys = [self.tier.record(s).key for s in bad]
+                # (a pinned slot holds a chunk)
+                bad_keys = [k for s in bad if (k := self.tier.record(s).key) is not None]
                 self.tier.unpin(slots)
         self._drop(bad_keys)
         return len(bad_keys)
@@ -312,7 +321,7 @@ class KVNode:
                 off += n
         finally:
             with self.lock:
-                bad_keys = [self.tier.record(s).key for s in bad]
+                bad_keys = [k for s in bad if (k := self.tier.record(s).key) is not None]  # (pinned: held)
                 self.tier.unpin(slots)
                 self.stats_counts["pulls"] += 1
                 self.stats_counts["pulled_chunks"] += len(rows)
@@ -444,6 +453,7 @@ class KVNode:
                 kind, item = self._io.get(timeout=0.5)
             except queue.Empty:
                 continue
+            assert disk is not None  # (writes and start-up verifications exist only with a disk tier)
             if kind == "write":
                 ok = True
                 try:
@@ -451,7 +461,7 @@ class KVNode:
                                      item.checksum)
                 except OSError as e:
                     ok = False
-                    code = errno.errorcode.get(e.errno, "error")
+                    code = errno.errorcode.get(e.errno or 0, "error")
                     self._count(f"disk_write_{code}")
                     log.warning("KVNode %s: disk write failed (%s); the chunk stays where it was or is dropped",
                                 self.node_id[:8], e)
@@ -508,7 +518,7 @@ class KVNode:
 
     def stats(self) -> dict:
         with self.lock:
-            d = dict(self.stats_counts)
+            d: dict[str, Any] = dict(self.stats_counts)
             c = self.cascade
             d.update(c.counts, evictions=sum(c.evictions.values()), evictions_by_tier=dict(c.evictions),
                      tier_flows=[[src, dst, n, c.flow_bytes[(src, dst)]] for (src, dst), n in c.flows.items()])

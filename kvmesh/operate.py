@@ -157,7 +157,8 @@ def up_join(address: str, config_path: str | None, redis_url: str | None, host: 
                                                 get_if_exists=True, num_cpus=0)
     actor = actor.remote(cfg.redis_url, cfg.key_prefix, host, port)
     url = ray.get(actor.url.remote(), timeout=60)
-    out(f"kvmesh is up on {address}: {len(mesh.nodes)} KVNode(s), directory {redact_url(cfg.redis_url)}\n  live page  {url}")
+    out(f"kvmesh is up on {address}: {len(mesh.nodes)} KVNode(s), directory {redact_url(cfg.redis_url)}\n"
+        f"  live page  {url}")
     return 0
 
 

@@ -14,31 +14,34 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 
-class LRUPolicy:
+class LRUPolicy(Generic[K]):
     def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()  # least recent first
+        self._order: OrderedDict[K, None] = OrderedDict()  # least recent first
 
     def __len__(self) -> int:
         return len(self._order)
 
-    def __contains__(self, key: Hashable) -> bool:
+    def __contains__(self, key: K) -> bool:
         return key in self._order
 
-    def insert(self, key: Hashable) -> None:
+    def insert(self, key: K) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: K) -> None:
         if key in self._order:
             self._order.move_to_end(key)
 
-    def remove(self, key: Hashable) -> None:
+    def remove(self, key: K) -> None:
         self._order.pop(key, None)
 
-    def evict(self, n: int, can_evict: Callable[[Hashable], bool] = lambda _k: True) -> list | None:
-        victims = []
+    def evict(self, n: int, can_evict: Callable[[K], bool] = lambda _k: True) -> list[K] | None:
+        victims: list[K] = []
         if n <= 0:
             return victims
         for key in self._order:

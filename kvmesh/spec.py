@@ -181,7 +181,7 @@ class KVSpec:
         return msgpack.packb(fields, use_bin_type=True)
 
     @classmethod
-    def from_canonical_bytes(cls, data: bytes) -> "KVSpec":
+    def from_canonical_bytes(cls, data: bytes) -> KVSpec:
         o = msgpack.unpackb(data, raw=False)
         if (not isinstance(o, list) or len(o) not in (12, 14) or o[0] != b"kvmesh-spec"
                 or o[1] != SPEC_ENCODING_VERSION):

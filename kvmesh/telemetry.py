@@ -64,7 +64,7 @@ class RayExporter:
 
     def __init__(self) -> None:
         self._m: dict[str, object] = {}
-        self._ok = None
+        self._ok: bool | None = None  # whether Ray's metrics can be used here; None: not known yet
 
     def _metric(self, name: str):
         if self._ok is None:
@@ -135,7 +135,9 @@ class Records:
 
     def read(self) -> tuple[dict, dict, list]:
         p = self.r.pipeline(transaction=False)
-        p.hgetall(self.k_stats).hgetall(self.k_totals).lrange(self.k_events, 0, 99)
+        p.hgetall(self.k_stats)
+        p.hgetall(self.k_totals)
+        p.lrange(self.k_events, 0, 99)
         stats, totals, events = p.execute()
         return ({k.decode(): msgpack.unpackb(v, raw=False) for k, v in stats.items()},
                 {k.decode(): int(v) for k, v in totals.items()},

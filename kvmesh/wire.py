@@ -20,6 +20,7 @@ travel beside the header as one contiguous uint8 buffer, chunks back to back in 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import msgpack
@@ -95,13 +96,13 @@ class NodeInfo:
                               self.slot_bytes, self.data_addr], use_bin_type=True)
 
     @classmethod
-    def unpack(cls, data, incarnation: int = 0) -> "NodeInfo":
+    def unpack(cls, data, incarnation: int = 0) -> NodeInfo:
         o = _unpack(data, "NodeInfo")
         return cls(_field(o, 1, str, "NodeInfo"), _field(o, 2, str, "NodeInfo"), _field(o, 3, str, "NodeInfo"),
                    _field(o, 4, int, "NodeInfo"), _field(o, 5, int, "NodeInfo"), _field(o, 6, str, "NodeInfo"),
                    incarnation)
 
-    def with_incarnation(self, incarnation: int) -> "NodeInfo":
+    def with_incarnation(self, incarnation: int) -> NodeInfo:
         return replace(self, incarnation=incarnation)
 
 
@@ -138,7 +139,7 @@ U64 = (1 << 64) - 1
 
 
 def pack_pin_reply(pin_id: int, chunks: list[PinnedChunk], slab_path: str,
-                   gpu: list[PinnedChunk] = ()) -> bytes:
+                   gpu: Sequence[PinnedChunk] = ()) -> bytes:
     return msgpack.packb([VERSION, pin_id, [[c.slot, c.nbytes, c.checksum] for c in chunks], slab_path,
                           [[c.slot, c.nbytes, c.checksum & U64] for c in gpu]])
 

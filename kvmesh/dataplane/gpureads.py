@@ -30,7 +30,7 @@ class GpuReads:
             raise
 
     @classmethod
-    def open(cls, exports: Sequence[bytes]) -> "GpuReads | None":
+    def open(cls, exports: Sequence[bytes]) -> GpuReads | None:
         if not exports:
             return None
         try:

@@ -34,7 +34,7 @@ def plan_runs(chunks: Sequence, here: str | None, local_reads: bool, per_batch: 
     if per_batch < 1:
         raise ValueError(f"per_batch must be at least 1, got {per_batch}")
     runs: list[list] = []  # [holder, start, keys, tiers, incarnation]
-    prev = None
+    prev: str | None = None
     for i, ch in enumerate(chunks):
         holders: tuple[Holder, ...] = ch.holders
         assert holders, "a matched chunk has a holder"

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvmesh.dataplane.planner import Run
 from kvmesh.handle import NodeCallError, Pending, Pinned
@@ -32,6 +33,11 @@ from kvmesh.nodeview import NodeView
 from kvmesh.tiers import checksum
 from kvmesh.transport import ChecksumError, DataClient
 from kvmesh.wire import MAX_DEADLINE_MS, PullThrough, WireError
+
+if TYPE_CHECKING:
+    from kvmesh.dataplane.gpureads import GpuReads
+    from kvmesh.handle import LocalHandle, NodeHandle
+    from kvmesh.tiers.cpu import SlabReader
 
 WAIT_SLACK_S = 1.0  # past the deadline: how long a release waits for a receiving thread to let go of the sink
 
@@ -50,15 +56,15 @@ class Env:
     """What sources need, owned by the `Fetcher`."""
 
     here: str  # the caller's node id ("" outside a node)
-    local: object | None  # a handle (handle.NodeHandle / LocalHandle) of this node's KVNode
-    slab: object | None  # this node's slab, mapped here (tiers.cpu.SlabReader)
+    local: NodeHandle | LocalHandle | None  # a handle of this node's KVNode
+    slab: SlabReader | None  # this node's slab, mapped here
     slot_bytes: int
-    peers: Callable[[str], object | None]  # node id -> handle of its KVNode, or None
+    peers: Callable[[str], NodeHandle | LocalHandle | None]  # node id -> handle of its KVNode, or None
     view: NodeView
     data: DataClient
     pool: Executor  # threads for the blocking receives of `tcp` runs
     on_stale_slab: Callable[[], None] = lambda: None  # the local node's slab moved (it restarted)
-    gpu: object | None = None  # this node's GPU tier mapped here (dataplane.gpureads.GpuReads), or None
+    gpu: GpuReads | None = None  # this node's GPU tier mapped here, or None
 
 
 def _error_of(e: BaseException) -> str:
@@ -95,13 +101,15 @@ class PinnedTransfer(Transfer):
     def __init__(self, env: Env, run: Run, sink, chunk_bytes: int, kind: str, pending: Pending[Pinned]) -> None:
         super().__init__(run, sink)
         self.env, self.kind, self._pending, self._cb = env, kind, pending, chunk_bytes
+        assert env.local is not None, "slab and via runs go through this node's KVNode"
+        self._local = env.local
         self._pinned: Pinned | None = None
         self._waited = False
         self._adopted = False
         self._released = False
 
     def complete(self, deadline: float) -> Landed:
-        env, run, sink = self.env, self.run, self.sink
+        env, run, sink, local = self.env, self.run, self.sink, self._local
         self._waited = True
         try:
             self._pinned = p = self._pending.result(deadline - time.monotonic())
@@ -116,13 +124,16 @@ class PinnedTransfer(Transfer):
         for j, row in enumerate(p.gpu):
             if row.nbytes != cb:
                 return Landed(j, "not_held")
+            gpu = env.gpu  # (another fetch may have dropped it meanwhile)
+            if gpu is None:
+                return Landed(j, "gpu_unreachable")
             try:
-                src = env.gpu.view(row.slot, cb)
+                src = gpu.view(row.slot, cb)
             except Exception:  # the pool cannot be read any more (GpuIpcError): the rest comes next time
                 env.gpu = None
                 return Landed(j, "gpu_unreachable")
             key = run.keys[j]
-            sink.adopt_device(run.start + j, src, row.checksum, lambda k=key: env.local.report_corrupt([k]))
+            sink.adopt_device(run.start + j, src, row.checksum, lambda k=key: local.report_corrupt([k]))
             self._adopted = True
         for j0, row in enumerate(p.chunks):
             j = g + j0
@@ -131,12 +142,12 @@ class PinnedTransfer(Transfer):
             i = run.start + j
             view = env.slab.view(row.slot * env.slot_bytes, cb)
             key = run.keys[j]
-            if sink.adopt(i, view, row.checksum, lambda k=key: env.local.report_corrupt([k])):
+            if sink.adopt(i, view, row.checksum, lambda k=key: local.report_corrupt([k])):
                 self._adopted = True
                 continue
             sink.put(i, view)
             if checksum(view) != row.checksum:  # after the copy: catches a slot overwritten under us, too
-                env.local.report_corrupt([key])
+                local.report_corrupt([key])
                 return Landed(j, "checksum", corrupt=True)
             sink.commit(i, row.checksum)
         n = g + len(p.chunks)
@@ -146,7 +157,7 @@ class PinnedTransfer(Transfer):
         if self._released:
             return
         self._released = True
-        local = self.env.local
+        local = self._local
 
         def unpin(p: Pinned) -> None:
             if p.chunks or p.gpu:
@@ -242,9 +253,11 @@ def begin(env: Env, run: Run, kind: str, sink, chunk_bytes: int, deadline: float
           transport: str = "tcp") -> Transfer:
     """Phase 1 of `run` through source `kind` ("slab", "via", "tcp", "ray"), for chunks of `chunk_bytes`."""
     if kind == "slab":  # a device sink on a GPU reads GPU-tier chunks device to device where it can map them
+        assert env.local is not None, "the planner gives slab runs only to a reader beside its KVNode"
         gpu = env.gpu is not None and getattr(sink, "device_reads", False)
         return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pin(list(run.keys), gpu))
     if kind == "via":
+        assert env.local is not None, "pull-throughs go through this node's KVNode"
         ms = max(0, min(MAX_DEADLINE_MS, int((deadline - time.monotonic()) * 1000)))
         req = PullThrough(list(run.keys), group, chunk_bytes, run.holder, transport, ms, run.incarnation)
         return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pull_through(req))

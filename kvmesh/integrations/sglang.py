@@ -59,11 +59,12 @@ import os
 import threading
 import time
 from collections import Counter
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from kvmesh.client import connect
+from kvmesh.client import KVMeshClient, connect
 from kvmesh.hashing import HASH_BYTES, root_hash, salt_bytes
 from kvmesh.integrations.identity import local_model_id, model_fingerprint  # noqa: F401 (model_fingerprint: API)
 from kvmesh.spec import KVFormat, KVSpec
@@ -71,7 +72,7 @@ from kvmesh.spec import KVFormat, KVSpec
 log = logging.getLogger("kvmesh.sglang")
 
 # extra_config keys of this backend (SGLang's own keys, e.g. backend_name or interface_v1, pass through unchecked)
-OPTIONS = {
+OPTIONS: dict[str, Any] = {  # name -> what isinstance() accepts
     "ray_address": str,  # Ray cluster to join when this process has no Ray connection yet
     "ray_node_id": str,  # the node whose KVNode is this engine's local one
     "redis_url": str,  # the directory, if not the one the local KVNode uses
@@ -191,9 +192,9 @@ class KVMeshStorage(HiCacheStorage):
                              "is not supported")
         salt_bytes(self.options.get("cache_salt"))
         self.counts: Counter[str] = Counter()  # becomes the client's counts (exported with them) once connected
-        self.client = None
+        self.client: KVMeshClient | None = None  # these three are set once SGLang registers its host pool
         self.spec: KVSpec | None = None
-        self.mem_pool_host = None
+        self.mem_pool_host: Any = None  # SGLang's host pool
         self._io = threading.Lock()  # fetch and store share the client's buffers
         self._gen_lock = threading.Lock()
         self._root = b""
@@ -201,7 +202,8 @@ class KVMeshStorage(HiCacheStorage):
         self._group = b""
         self._gen_at = 0.0
         self._scratch: torch.Tensor | None = None
-        self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
+        self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
+                                          "backup_bandwidth": []}
         import ray
 
         if not ray.is_initialized():
@@ -241,6 +243,7 @@ class KVMeshStorage(HiCacheStorage):
 
     # -- generation (clear) ---------------------------------------------------------------------------------------
     def _gen_key(self) -> str:
+        assert self.client is not None, "registered"
         return f"{self.client.config.key_prefix}:sglang:{{{self._root.hex()}}}:gen"
 
     def _refresh_generation(self, force: bool = False) -> bytes:
@@ -250,6 +253,7 @@ class KVMeshStorage(HiCacheStorage):
             with self._gen_lock:
                 self._gen_at = now
                 try:
+                    assert self.client is not None, "registered"
                     raw = self.client.directory.redis.get(self._gen_key())
                     gen = int(raw) if raw is not None else 0
                 except Exception as e:  # Redis away: keep the last generation
@@ -280,6 +284,7 @@ class KVMeshStorage(HiCacheStorage):
     # -- queries ------------------------------------------------------------------------------------------------
     def _lookup(self, keys: list[str]):
         group = self._refresh_generation()
+        assert self.client is not None, "registered"
         return self.client.lookup_keys(group, page_keys(group, keys))
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -311,6 +316,7 @@ class KVMeshStorage(HiCacheStorage):
         if not n:
             return 0
         s = self.spec
+        assert s is not None and self.client is not None, "registered"
         with self._io:
             if self._scratch is None or self._scratch.shape[2] < n * s.chunk_tokens:
                 self._scratch = torch.zeros(s.kv_shape(max(n, 16) * s.chunk_tokens), dtype=s.torch_dtype)
@@ -326,8 +332,9 @@ class KVMeshStorage(HiCacheStorage):
         """Pages of `keys` into the host pool at `host_indices` (page_size slots per key), straight from the
         fetched chunks; True for each page that arrived."""
         t0 = time.monotonic()
+        C = self.spec.chunk_tokens if self.spec is not None else 0  # (not registered: _guarded answers 0 pages)
         ok = self._guarded("get", len(keys), lambda: self._fetch(
-            list(keys), lambda i, chunk: self._host_page(int(host_indices[i * self.spec.chunk_tokens])).copy_(chunk)))
+            list(keys), lambda i, chunk: self._host_page(int(host_indices[i * C])).copy_(chunk)))
         self._note("prefetch", ok, t0)
         return [i < ok for i in range(len(keys))]
 
@@ -356,6 +363,7 @@ class KVMeshStorage(HiCacheStorage):
         group = self._refresh_generation()
         c = self.counts
         refused = c["store_no_local_node"] + c["store_dropped_busy"]
+        assert self.client is not None, "registered"
         with self._io:
             sent = self.client.store_keys(group, page_keys(group, keys), chunks)
             stored = self.client.flush() if sent else 0

@@ -82,7 +82,7 @@ def _connector_for(options: ConnectorOptions):
     from kvmesh.client import connect
 
     node_id = options.ray_node_id or os.environ.get("KVMESH_RAY_NODE_ID") or None
-    extra = {"fetch_timeout_s": options.fetch_timeout_s} if options.fetch_timeout_s else {}
+    extra: dict[str, Any] = {"fetch_timeout_s": options.fetch_timeout_s} if options.fetch_timeout_s else {}
     # the scheduler reports each request's reuse (record_request); the workers' fetches (per TP rank, per KV group)
     # would count the same tokens again
     return lambda spec: connect(spec, options.redis_url, node_id=node_id, count_fetches=False, **extra)
@@ -176,7 +176,7 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
                                       [g.layer_names for g in groups], background)
             self.counts = self._worker.counts
         self.spec, self.specs = spec, specs
-        log.info("kvmesh vLLM connector (%s) on node %s: %s", role.name, (self._sched or self._worker)
+        log.info("kvmesh vLLM connector (%s) on node %s: %s", role.name, (self._sched or self._worker_side)
                  .client(None).node_id, specs)
 
     @property
@@ -195,36 +195,46 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("kvmesh: %s failed: %s", what, e, exc_info=log.isEnabledFor(logging.DEBUG))
             return fallback
 
+    @property
+    def _sched_side(self) -> SchedulerSide:
+        assert self._sched is not None, "a scheduler-side call on a worker-side connector"
+        return self._sched
+
+    @property
+    def _worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call on a scheduler-side connector"
+        return self._worker
+
     # -- scheduler side -------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._guard("lookup", (0, False), self._sched.lookup, request, num_computed_tokens)
+        return self._guard("lookup", (0, False), self._sched_side.lookup, request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:  # allocated() plans a job (a failing one at worst) and never raises
             null = next((b.block_id for group in blocks.blocks for b in group if b.is_null), None)
-            self._sched.allocated(request, [list(ids) for ids in blocks.get_block_ids()], num_external_tokens,
+            self._sched_side.allocated(request, [list(ids) for ids in blocks.get_block_ids()], num_external_tokens,
                                   null)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
-        got = self._guard("sources", {}, self._sched.sources, request, num_external_tokens)
+        got = self._guard("sources", {}, self._sched_side.sources, request, num_external_tokens)
         out = {_SOURCES[k]: v for k, v in got.items()}
         if sum(out.values()) != num_external_tokens:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         return out
 
     def build_connector_meta(self, scheduler_output) -> StepMeta:
-        return self._guard("build", StepMeta(), self._sched.build_step, scheduler_output)
+        return self._guard("build", StepMeta(), self._sched_side.build_step, scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        self._guard("output", None, self._sched.worker_output, connector_output.finished_recving,
+        self._guard("output", None, self._sched_side.worker_output, connector_output.finished_recving,
                     connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         # no guard: keeping blocks that no worker will report would leak them, and the check cannot fail
-        return self._sched.finished(request), None
+        return self._sched_side.finished(request), None
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
-        return self._sched.finished(request), None  # the same: loads and saves of every group end together
+        return self._sched_side.finished(request), None  # the same: loads and saves of every group end together
 
     # -- worker side ----------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -234,21 +244,21 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
             s = self.spec
             writer = _cpu_writer(self._vllm_config, self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
                                  s.head_dim, s.num_kv_heads)  # every group has this geometry
-        self._worker.register(kv_caches, writer)  # a layout kvmesh cannot move is a configuration error: raise
+        self._worker_side.register(kv_caches, writer)  # a layout kvmesh cannot move is a configuration error: raise
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        self._guard("preempt", None, self._worker.begin_step, kv_connector_metadata)
+        self._guard("preempt", None, self._worker_side.begin_step, kv_connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         # vLLM calls this in every step; a step without a forward pass has no attention metadata
         self._idle_step = getattr(forward_context, "attn_metadata", None) is None
         meta = self._connector_metadata
         if isinstance(meta, StepMeta) and meta.loads:
-            self._worker.start_loads(meta)  # fails individual loads itself, never raises
+            self._worker_side.start_loads(meta)  # fails individual loads itself, never raises
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         meta = self._connector_metadata if isinstance(self._connector_metadata, StepMeta) else None
-        self._guard("wait_layer", None, self._worker.wait_layer, layer_name, meta)
+        self._guard("wait_layer", None, self._worker_side.wait_layer, layer_name, meta)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
         return  # the saver reads whole chunks once per step (wait_for_save), not one layer per call
@@ -256,17 +266,17 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if isinstance(meta, StepMeta):
-            self._guard("save", None, self._worker.end_step, meta)
+            self._guard("save", None, self._worker_side.end_step, meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         idle, self._idle_step = self._idle_step, False
-        return self._worker.finished(finished_req_ids, idle)
+        return self._worker_side.finished(finished_req_ids, idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors()
+        return self._worker_side.load_errors()
 
     def build_connector_worker_meta(self):
-        return self._worker.take_report()
+        return self._worker_side.take_report()
 
     def shutdown(self) -> None:
         for side in (self._sched, self._worker):

@@ -70,7 +70,7 @@ class SyncBatch:
     """The synchronous loads of one step, written layer by layer while the forward pass runs."""
 
     loads: list[Load]
-    layer_done: list[threading.Event]
+    layer_done: list  # per model layer: the worker's layer-written event (a threading.Event that orders streams)
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False  # set (under lock) when the forward pass stopped waiting: no write after that
 
@@ -218,6 +218,7 @@ class Loader:
                     scatter_chunks(f.load.staging[start:start + k, layer], group_layers[layer], w.codec,
                                    ids[b0:b1], first=max(0, lo - b0))
                     continue
+                assert f.kv is not None  # (a fetch into host memory)
                 src = f.kv[layer, :, start * c:start * c + (b1 - b0) * w.block_size]
                 scatter_layer(src, group_layers[layer], w.codec, ids[b0:b1], first=max(0, lo - b0))
             j += k

@@ -62,6 +62,6 @@ class WorkerReport(KVConnectorWorkerMetadata):
     transfers: list[tuple[str, int, float]] = field(default_factory=list)  # (source, bytes, seconds)
     failed_loads: list[tuple[str, str]] = field(default_factory=list)  # (request, unreachable holder node or "")
 
-    def aggregate(self, other: "WorkerReport") -> "WorkerReport":
+    def aggregate(self, other: WorkerReport) -> WorkerReport:
         return WorkerReport(self.prefills + other.prefills, self.transfers + other.transfers,
                             self.failed_loads + other.failed_loads)

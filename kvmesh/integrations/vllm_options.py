@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from kvmesh.integrations.identity import local_model_id, model_fingerprint
 from kvmesh.spec import KVFormat, KVGroup, KVSpec, group_specs
@@ -50,7 +51,7 @@ class ConnectorOptions:
     # worker with kv_format=None), trusting both to write the same bytes
 
 
-_KINDS = {"ray_address": str, "ray_node_id": str, "redis_url": str, "cache_salt": str, "model_id": str,
+_KINDS: dict[str, Any] = {"ray_address": str, "ray_node_id": str, "redis_url": str, "cache_salt": str, "model_id": str,
           "model_revision": str, "chunk_tokens": int, "load_mode": str, "cost_model": bool,
           "fetch_timeout_s": (int, float), "save_copy": str, "kv_format": str}
 # keys that are vLLM's or another connector's, not ours (MultiConnector passes its own through)

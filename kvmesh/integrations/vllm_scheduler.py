@@ -33,10 +33,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
 from kvmesh.integrations.vllm_meta import LoadJob, SaveJob, StepMeta, WorkerReport
+from kvmesh.match import Match
 from kvmesh.integrations.vllm_options import ConnectorOptions, lora_identity, request_salt
 from kvmesh.tiers import TIER_DISK
 
@@ -54,7 +56,7 @@ class _Request:
     skip: str  # why kvmesh leaves it alone ("multimodal", "prompt_embeds"), "" when it does not
     hashes: dict[int, list[bytes]] = field(default_factory=dict)  # group -> chunk hashes of the prompt under
     # that group's spec, computed on first need
-    match: object | None = None  # the last lookup's Match in the first group (chunks from `match_first` on)
+    match: Match | None = None  # the last lookup's Match in the first group (chunks from `match_first` on)
     match_first: int = 0
     local: int = 0  # vLLM's own computed tokens at that lookup
     hit_end: int = 0  # the chunk the last lookup's hit ends at (every group holds what it needs up to there)
@@ -83,7 +85,8 @@ class SchedulerSide:
         self.load = kv_role in ("kv_both", "kv_consumer")
         self.save = kv_role in ("kv_both", "kv_producer")
         self._connect = connect  # spec -> KVMeshClient
-        self._clients = {(None, 0): connect(spec)}
+        # (LoRA adapter, group) -> a KVMeshClient (what `connect` makes: tests give their own)
+        self._clients: dict[tuple[str | None, int], Any] = {(None, 0): connect(spec)}
         self.counts = self._clients[(None, 0)].counts  # shared by every client of this side (one per LoRA adapter
         # and group)
         self._reqs: dict[str, _Request] = {}
@@ -142,7 +145,7 @@ class SchedulerSide:
             self.counts["vllm_skip_directory_down"] += 1
             return 0, False
         errors = self.counts["directory_errors"]
-        found: dict[tuple[int, int], tuple[int, int, object]] = {}  # (group, lo) -> (asked end, present, Match)
+        found: dict[tuple[int, int], tuple[int, int, Match]] = {}  # (group, lo) -> (asked end, present, Match)
         plan_box: list = []
         end = self._converge(st, first, last, found, plan_box)
         plan, first_lo = plan_box[0] if plan_box else (None, first)

@@ -76,7 +76,8 @@ log = logging.getLogger("kvmesh.vllm.tier")
 TIER_FORMAT_VERSION = 1
 _LOAD, _LOOKUP, _STORE = 0, 1, 2  # the tier thread's priorities: promotions first, stores last
 
-OPTIONS = {"ray_address": str, "ray_node_id": str, "redis_url": str, "model_id": str, "model_revision": str,
+OPTIONS: dict[str, Any] = {  # name -> what isinstance() accepts
+           "ray_address": str, "ray_node_id": str, "redis_url": str, "model_id": str, "model_revision": str,
            "fetch_timeout_s": (int, float), "verdict_ttl_s": (int, float), "enable_kv_events": bool,
            "locality": str}
 
@@ -269,7 +270,7 @@ class KVMeshTier(SecondaryTierManager):
 
     # -- scheduler-thread side of the results -----------------------------------------------------------------
     def _take_done(self) -> list[JobResult]:
-        jobs = []
+        jobs: list[JobResult] = []
         now = time.monotonic()
         while True:
             try:

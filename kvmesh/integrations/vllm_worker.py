@@ -29,16 +29,16 @@ import threading
 import time
 from collections import Counter
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvmesh.integrations.vllm_loader import WAIT_SLACK_S, Load, Loader, SyncBatch
+from kvmesh.integrations.vllm_meta import SaveJob, StepMeta, WorkerReport
+from kvmesh.paged import HeadMajorCodec, LearnedCodec, SplitKVCodec, gather_chunks, learn_codec
 
 IDLE_WAIT_S = 0.02  # at most this long per empty engine step, waiting for an asynchronous load to end
-from kvmesh.integrations.vllm_meta import SaveJob, StepMeta, WorkerReport
-from kvmesh.paged import HeadMajorCodec, SplitKVCodec, gather_chunks, learn_codec
-
 log = logging.getLogger("kvmesh.vllm")
 
 
@@ -63,7 +63,8 @@ class _LayerDone(threading.Event):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
-        self.device, self.cuda_event = device, None
+        self.device = device
+        self.cuda_event: torch.cuda.Event | None = None
 
     def set(self) -> None:
         if self.device.type == "cuda":
@@ -90,14 +91,15 @@ class WorkerSide:
         self.per_chunk = self.chunk // block_size
         self.save = kv_role in ("kv_both", "kv_producer")
         self._connect = connect
-        self._clients = {(None, 0): connect(spec)}
+        # (LoRA adapter, group) -> a KVMeshClient (what `connect` makes: tests give their own)
+        self._clients: dict[tuple[str | None, int], Any] = {(None, 0): connect(spec)}
         self.counts: Counter[str] = self._clients[(None, 0)].counts
         self._layer_names = [list(names) for names in layer_names]
         self.layers: list[torch.Tensor] = []  # every attention layer's cache, in model layer order
         self.layer_pos: list[tuple[int, int]] = []  # position in `layers` -> (group, index in the group)
         self.group_layers: list[list[torch.Tensor]] = []  # per group, its layers in model order
         self.layer_of: dict[str, int] = {}  # layer name -> position in `layers`
-        self.codec = None
+        self.codec: HeadMajorCodec | SplitKVCodec | LearnedCodec | None = None  # set by register()
         self.client_lock = threading.Lock()
         self.mu = threading.Condition()
         self._recved: list[str] = []  # asynchronous loads that ended, not yet reported

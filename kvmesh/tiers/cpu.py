@@ -120,7 +120,7 @@ class SlabReader:
     _shared_lock = threading.Lock()
 
     @classmethod
-    def open(cls, path: str, size: int) -> "SlabReader":
+    def open(cls, path: str, size: int) -> SlabReader:
         with cls._shared_lock:
             entry = cls._shared.get((path, size))
             if entry is None:

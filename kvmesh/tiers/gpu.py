@@ -55,7 +55,7 @@ class GpuTier(SlotPool):
             raise ValueError(f"GpuTier: {num_slots} slots cannot be split over {len(self.devices)} GPUs")
         self.device = self.devices[0]
         self.per_pool = -(-num_slots // len(self.devices))
-        self._pools = []  # per device: a DevicePool on CUDA, None on the CPU stand-in
+        self._pools: list[DevicePool | None] = []  # per device: a DevicePool on CUDA, None on the CPU stand-in
         self.pools: list[torch.Tensor] = []  # per device: uint8 over that pool's slots
         for k, dev in enumerate(self.devices):
             n = min(self.per_pool, num_slots - k * self.per_pool)
@@ -63,6 +63,7 @@ class GpuTier(SlotPool):
                 from kvmesh.tiers.gpu_ipc import DevicePool
 
                 p = DevicePool(n * slot_bytes, dev)
+                assert p.tensor is not None  # (a pool is open until its close())
                 self._pools.append(p)
                 self.pools.append(p.tensor)
             else:

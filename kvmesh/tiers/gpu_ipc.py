@@ -131,7 +131,7 @@ class PoolExport:
                               self.pid, self.handle, self.nbytes, self.slot_bytes, self.first_slot, self.num_slots])
 
     @classmethod
-    def unpack(cls, data: bytes) -> "PoolExport":
+    def unpack(cls, data: bytes) -> PoolExport:
         try:
             row = msgpack.unpackb(data)
             if not isinstance(row, list) or len(row) < 11 or row[0] != EXPORT_VERSION:
@@ -163,7 +163,7 @@ def export_for(exports: Sequence[PoolExport], slot: int) -> PoolExport:
 class DevicePool:
     """One cudaMalloc'ed allocation on one GPU, owned by a GpuTier. `tensor` is a uint8 view of all of it."""
 
-    _live: "weakref.WeakValueDictionary[bytes, DevicePool]" = weakref.WeakValueDictionary()  # this process's
+    _live: weakref.WeakValueDictionary[bytes, DevicePool] = weakref.WeakValueDictionary()  # this process's
 
     def __init__(self, nbytes: int, device: torch.device | str) -> None:
         device = torch.device(device)
@@ -177,7 +177,8 @@ class DevicePool:
         self.device = torch.device("cuda", index)
         self.nbytes = nbytes
         self.pool_id = secrets.token_bytes(8)
-        self.tensor = _Memory(rt, ptr.value, nbytes, index, "cudaFree").tensor()
+        assert ptr.value, "cudaMalloc succeeded"
+        self.tensor: torch.Tensor | None = _Memory(rt, ptr.value, nbytes, index, "cudaFree").tensor()
         self._handle: bytes | None = None
         DevicePool._live[self.pool_id] = self
 
@@ -255,6 +256,7 @@ class PoolMapper:
         with rt.on_device(index, GpuIpcError):
             rt.call("cudaIpcOpenMemHandle", ctypes.byref(ptr), handle, _IPC_LAZY_ENABLE_PEER_ACCESS,
                     reason="ipc_unsupported", error=GpuIpcError)
+        assert ptr.value, "cudaIpcOpenMemHandle succeeded"
         return MappedPool(export, _Memory(rt, ptr.value, export.nbytes, index, "cudaIpcCloseMemHandle").tensor())
 
     def retire(self, node_id: str, keep: str | None = None) -> int:
@@ -290,7 +292,7 @@ class _Bounce:
 
     def __init__(self, nbytes: int) -> None:
         self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.free = [None, None]
+        self.free: list[torch.cuda.Event | None] = [None, None]
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor, j: int, s_src, s_dst) -> torch.cuda.Event:
         buf = self.bufs[j % 2][: src.numel()]
@@ -331,8 +333,7 @@ def _copy_all(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], peer: 
         return done, ("d2d" if s_dev == d_dev else "p2p"), stream
     s_stream = torch.cuda.Stream(device=s_dev)
     s_stream.wait_stream(torch.cuda.current_stream(s_dev))
-    bounce = _Bounce(max(s.numel() for s in srcs))
-    done = None
+    bounce = _Bounce(max(s.numel() for s in srcs))  # (srcs is not empty: the loop sets done)
     for j, (s, d) in enumerate(zip(srcs, dsts)):
         done = bounce.copy(s, d, j, s_stream, stream)
     done.synchronize()  # the bounce buffers are freed on return
@@ -360,7 +361,7 @@ class DeviceRead:
     """Chunks on their way from GPU-tier slots into device buffers. `done` marks the copies' end (on the
     destination device); `check` verifies the device checksums on a side stream."""
 
-    done: object  # torch.cuda.Event, or None on the CPU (done already)
+    done: torch.cuda.Event | None  # None on the CPU (done already)
     check: Verify
     path: str  # "d2d" (same GPU), "p2p" (peer to peer), "host" (through page-locked host memory), "cpu"
 
@@ -401,7 +402,7 @@ class DeviceWrite:
     """Device buffers on their way into GPU-tier slots. `sums()` (waits) are the device checksums of the bytes as
     they landed in the slots: what the KVNode records when it completes the store."""
 
-    done: object
+    done: torch.cuda.Event | None
     _sums: torch.Tensor
     path: str
 

@@ -62,7 +62,7 @@ class SlotPool:
         self._free = list(range(num_slots - 1, -1, -1))  # stack: low slots first
         self._by_key: dict[bytes, int] = {}
         self.group_counts: Counter[bytes] = Counter()  # group -> slots holding (or receiving) its chunks
-        self._policy = LRUPolicy()
+        self._policy: LRUPolicy[bytes] = LRUPolicy()
 
     # -- queries ------------------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -78,7 +78,7 @@ class SlotPool:
 
     def ready_chunks(self) -> list[tuple[bytes, bytes]]:
         """(group, key) of every readable chunk."""
-        return [(s.group, s.key) for s in self._slots if s.ready and not s.doomed]
+        return [(s.group, s.key) for s in self._slots if s.ready and not s.doomed and s.key is not None]
 
     @property
     def used_bytes(self) -> int:
@@ -158,8 +158,8 @@ class SlotPool:
             slots.append(i)
         for i in slots:
             self._slots[i].pins += 1
-        for i in reversed(slots):  # the head of the prefix ends most recent
-            self._policy.touch(self._slots[i].key)
+        for key in reversed(keys[:len(slots)]):  # the head of the prefix ends most recent
+            self._policy.touch(key)
         return slots
 
     def unpin(self, slots: list[int]) -> None:
@@ -201,7 +201,7 @@ class SlotPool:
 
     def _release(self, slot: int) -> None:
         s = self._slots[slot]
-        assert s.pins == 0
+        assert s.pins == 0 and s.key is not None
         self._policy.remove(s.key)
         del self._by_key[s.key]
         self.group_counts[s.group] -= 1

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from bench.common import median_time, save  # noqa: E402
+from kvmesh.directory import FIELD_BYTES as FIELD  # noqa: E402
 from kvmesh.directory import Directory, pack_hmget  # noqa: E402
 from kvmesh.local import RedisServer, redis_server_binary  # noqa: E402
 from kvmesh.tiers import TIER_CPU  # noqa: E402
@@ -158,6 +159,34 @@ return n
 """
 
 
+def _bucket_layout(r, hashes: list[bytes], per: int = 64):
+    """The proposed bucket layout of one 512-chunk prompt in its own key: (the packed HMGET of its buckets, a
+    function from the reply to how many leading chunks are present, the key's bytes per entry)."""
+    n = len(hashes)
+    fields = np.frombuffer(b"".join(hashes), np.uint8).reshape(n, 16)[:, :FIELD]
+    holder = np.frombuffer(b"\x02" + bytes(5), np.uint8)
+    key = b"bench:buckets:{%s}" % hashes[0].hex().encode()
+    names = [fields[b].tobytes() for b in range(0, n, per)]
+    for b, name in zip(range(0, n, per), names):
+        entries = np.concatenate([fields[b:b + per], np.tile(holder, (len(fields[b:b + per]), 1))], axis=1)
+        r.hset(key, name, entries.tobytes())
+    cmd = b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (len(names) + 2, len(key), key) + b"".join(
+        b"$%d\r\n%s\r\n" % (FIELD, f) for f in names)
+
+    want = fields.tobytes()
+
+    def match(values: list) -> int:
+        if None in values:
+            values = values[:values.index(None)]
+        got = np.frombuffer(b"".join(values), np.uint8).reshape(-1, 2 * FIELD)[:n, :FIELD]
+        if got.tobytes() == want[:len(got) * FIELD]:  # each chunk's own entry at its own position: one compare
+            return len(got)
+        return int((got != fields[:len(got)]).any(axis=1).argmax())
+
+    assert match(r.hmget(key, names)) == n
+    return [cmd], match, r.memory_usage(key, samples=0) / n
+
+
 def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
     from kvmesh.hashing import as_tokens, chunk_hashes
     from kvmesh.spec import KVSpec
@@ -205,10 +234,15 @@ def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
         probe_cmd = [b"*5\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n$%d\r\n%s\r\n$60\r\n%s\r\n"
                      % (probe_sha, len(kb), kb, packed[:60])]
         assert raw(probe_cmd) == 10
+        # a layout proposed, not built (docs/scale.md): a group's entries in buckets of 64 chain positions, one field
+        # per bucket named by the chain hash at its first position, its value the bucket's entries back to back
+        # (6-byte field + one 6-byte holder value here); a lookup reads 8 fields and matches its own hashes
+        bucket_cmd, match_buckets, bucket_bytes = _bucket_layout(r, hashes)
 
-        get_s, lookup_s, h1_s, h512_s, rle_s, probe_s = interleaved_medians(
+        get_s, lookup_s, h1_s, h512_s, rle_s, probe_s, bucket_s, bucket_lookup_s = interleaved_medians(
             [raw_get, lambda: d.longest_prefix(d.lookup_raw(hashes[0], hashes), table), lambda: raw(hm1),
-             lambda: raw(hm512), lambda: raw(rle_cmd), lambda: raw(probe_cmd)], repeat)
+             lambda: raw(hm512), lambda: raw(rle_cmd), lambda: raw(probe_cmd), lambda: raw(bucket_cmd),
+             lambda: match_buckets(raw(bucket_cmd))], repeat)
         out["P5"] = {"get_rtt_us": get_s * 1e6, "lookup_512_us": lookup_s * 1e6, "ratio": lookup_s / get_s,
                      "goal": "<= 2", "hmget_1_field_us": h1_s * 1e6, "hmget_512_fields_us": h512_s * 1e6,
                      "per_field_us": (h512_s - h1_s) / 511 * 1e6,
@@ -216,10 +250,16 @@ def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
                      "hmget_512_over_get": h512_s / get_s,
                      "lua_rle_512_us": rle_s * 1e6, "lua_rle_512_over_get": rle_s / get_s,
                      "lua_10_field_probes_us": probe_s * 1e6, "lua_10_field_probes_over_get": probe_s / get_s,
+                     "proposed_buckets_hmget_8_us": bucket_s * 1e6, "proposed_buckets_hmget_over_get": bucket_s / get_s,
+                     "proposed_buckets_lookup_us": bucket_lookup_s * 1e6,
+                     "proposed_buckets_lookup_over_get": bucket_lookup_s / get_s,
+                     "proposed_buckets_bytes_per_entry": bucket_bytes,
                      "note": "lookup = pack the HMGET + one round trip + decode and filter the holders; lua_rle: "
                              "the same fields read by a script that returns only the leading run, run-length "
                              "encoded (not built: it costs more than the HMGET it replaces); lua_10_field_probes: "
-                             "a script reading 10 fields by HGET, the server's floor for an O(log n) layout"}
+                             "a script reading 10 fields by HGET, the server's floor for an O(log n) layout; "
+                             "proposed_buckets: 64 chain positions per field (docs/scale.md), the HMGET of 8 "
+                             "buckets alone and with the client's match of its 512 hashes"}
         # lookups per second per shard: redis-benchmark sends the lookup's own HMGET; its GET rate is the baseline
         if shutil.which("redis-benchmark") is None:
             out["L"] = {"error": "no redis-benchmark here: `make redis-tls` installs Debian's redis-server package"}

@@ -217,6 +217,16 @@ def bench_fetch(fetch_bytes: int, repeat: int) -> dict:
                     del kv
                 return m.num_tokens, statistics.median(times[1:]), c.last_fetch
 
+            def serve_tcp(self, nbytes):
+                """Start the raw TCP sender from this worker: it inherits the niceness Ray gives its worker
+                processes, the KVNode actors' too (a sender started by the driver would run at a higher priority
+                than the KVNode it is compared with, which a loaded machine shows)."""
+                self.tcp = tcp_server(nbytes)
+                return self.tcp[1]
+
+            def stop_tcp(self):
+                tcp_server_stop(*self.tcp)
+
             def paired(self, n, repeat, transport, baseline, tcp_port=0, threads=0):
                 """The fetch (into a preallocated buffer) and its baseline, alternately in this process with the
                 same torch threads, `repeat` pairs: the ratio of each adjacent pair cancels the machine's load
@@ -283,11 +293,11 @@ def bench_fetch(fetch_bytes: int, repeat: int) -> dict:
         res["same_node_paired"] = _pairs(ray.get(wa.paired.remote(n_tokens, pairs, "tcp", "ceiling")))
         res["same_node_paired_all_threads"] = _pairs(ray.get(wa.paired.remote(n_tokens, pairs, "tcp", "ceiling",
                                                                                threads=os.cpu_count() or 1)))
-        srv, port = tcp_server(res["bytes"])
+        port = ray.get(wa.serve_tcp.remote(res["bytes"]))  # sent from node a's side, as the KVNode a sends
         try:
             res["cross_node_paired"] = _pairs(ray.get(wb.paired.remote(n_tokens, pairs, "tcp", "tcp", port)))
         finally:
-            tcp_server_stop(srv, port)
+            ray.get(wa.stop_tcp.remote())
         return res
     finally:
         kvmesh.stop()
@@ -303,6 +313,7 @@ def main() -> None:
     args = p.parse_args()
     from kvmesh.local import RedisServer
 
+    load_before = os.getloadavg()  # a shared machine: what else ran is part of the result
     with RedisServer() as rs:
         lookup = bench_lookup(rs.url, args.repeat) if args.only != "fetch" else None
     if args.only == "lookup":
@@ -321,6 +332,7 @@ def main() -> None:
         # the headline ratios of the data plane: each fetch against its baseline in the same worker process
         # (same torch threads), alternately, the median of the per-pair ratios (see Worker.paired)
         "same_node_over_ceiling": same["ratio"], "cross_node_over_tcp": cross["ratio"],
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "a_lookup": lookup,
         "b_cross_node_fetch": {
             "fetch_gbps": fetch["cross_node_tcp_gbps"], "tcp_loopback_gbps": tcp,

@@ -179,9 +179,10 @@ def main() -> None:
     directory = tempfile.mkdtemp(prefix="kvmesh-disk-bench-", dir=args.dir)
     try:
         fs = subprocess.run(["df", "-T", directory], capture_output=True, text=True).stdout.splitlines()[-1]
-        out = {"directory": directory, "filesystem": fs.split()[1]}
+        out = {"directory": directory, "filesystem": fs.split()[1], "load_average_before": os.getloadavg()}
         out["d1"] = d1(directory, args.mib * MiB, 4 * MiB, args.repeat)
         out["d1_fetch_over_dd"] = out["d1"]["fetch_over_dd_paired"]
+        out["load_average_after_d1"] = os.getloadavg()
         print("D1", out["d1"], flush=True)
         if args.only_d1:
             save("disk", out)

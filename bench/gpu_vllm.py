@@ -4,16 +4,21 @@ vLLM's worker half (`vllm_worker.WorkerSide` and its loader) is driven with real
 GPU backends allocate, against a real KVNode run as a plain object in this process (its slab in /dev/shm, page
 locked) and a real redis-server (`kvmesh.local.RedisServer`): the chunks are saved through the worker (a background
 gather on a side stream, `store_keys` to the node), then loaded by the loader as vLLM would ask (`LoadJob`, async):
-one directory lookup, then `client.fetch_to_device` (the slab chunks DMA'd straight into device staging, verified by
-CPU threads meanwhile), then one indexed write per layer into the blocks, each waiting for its layer's copy alone.
+one directory lookup, then `client.fetch_to_device` (the slab chunks DMA'd straight into device staging and
+verified there by the device checksums their node recorded, on a side stream as each layer lands), then one indexed
+write per layer into the blocks, each waiting for its layer's copy alone. The loads start once the node's
+device-checksum thread has recorded every chunk's sum (`devsums_after_store_s`: how long after the store's flush);
+a chunk read before its sum is recorded is checked with xxh3 instead (the `xxh3` figures below).
 
     vllm_gpu_load_ratio_to_h2d = raw pinned H2D copy of the same bytes / the connector's load (plan + run, until the
     writes landed), both the minimum of `repeat` runs in the same process. Goal >= 0.9.
 
-Beside it: the same load through the previous path (`client.fetch` into a new pageable CPU tensor, then the writes
-copy from it), and the data plane's fetch alone (lookup + fetch_to_device + verification, no writes). What bounds
-it: the slab chunks' xxh3 checksums alone on 4 (the client's pool), 8 threads; the load with 8 and 16 verifying
-threads; and the load with no checksum verified at all (`ratio_to_h2d_unverified`: a diagnostic, never a setting).
+Beside it: the same load through the pageable path (`client.fetch` into a new pageable CPU tensor, then the writes
+copy from it), and the data plane's fetch alone (lookup + fetch_to_device + verification, no writes). With the
+node's device sums hidden from the reader (as for chunks whose sums are not recorded yet): the load verified by
+xxh3 on the client's 4 threads (`ratio_to_h2d_xxh3`, the path before device sums), on 8 and 16 threads, and with no
+checksum verified at all (`ratio_to_h2d_unverified`: a diagnostic, never a setting); the xxh3 checksums alone on 4
+and 8 threads.
 
 The two vLLM modules the connector imports are stubbed (`install_vllm_stubs`), as in tests/gpu.
 """
@@ -129,6 +134,13 @@ def vllm_load(device, total_bytes: int, timer, layouts=("flash_attn", "flashinfe
             stored = w.client(None).flush(120)
             out["save_s"], out["saved_chunks"], out["stored_chunks"] = time.perf_counter() - t0, \
                 w.counts["vllm_saved_chunks"], stored
+            t1 = time.perf_counter()
+            while node.stats()["slab_devsums_queued"] and time.perf_counter() - t1 < 120:
+                time.sleep(0.005)
+            st = node.stats()
+            out["devsums_after_store_s"] = time.perf_counter() - t1
+            out["slab_devsums"], out["slab_devsums_refused"] = st.get("slab_devsums", 0), \
+                st.get("slab_devsums_refused", 0)
             src_pieces = [w.codec.pieces(t.index_select(0, torch.tensor(save_ids, device=device))).clone()
                           for t in w.layers]
             w.close()
@@ -176,16 +188,25 @@ def vllm_load(device, total_bytes: int, timer, layouts=("flash_attn", "flashinfe
                                                                      repeat=3)
                     del views
                     pool4 = client._verify_pool
-                    for threads in (8, 16, 0):  # 0: no checksum verified at all (NOT a safe setting: it shows
-                        # what the copies and the writes cost alone, i.e. what bounds the load)
-                        client._verify_pool = ThreadPoolExecutor(threads) if threads else _Unverified()
-                        try:
-                            name = f"{threads}_verify_threads" if threads else "unverified"
-                            r[f"load_{name}_s"] = timer(load, repeat=repeat)
-                            r[f"ratio_to_h2d_{name}"] = raw_h2d / r[f"load_{name}_s"]
-                        finally:
-                            client._verify_pool.shutdown()
-                            client._verify_pool = pool4
+                    with _devsums_hidden(node, keys):  # as if the node had recorded no device sums yet
+                        r["load_xxh3_s"] = timer(load, repeat=repeat)
+                        r["ratio_to_h2d_xxh3"] = raw_h2d / r["load_xxh3_s"]
+                        for threads in (8, 16, 0):  # 0: no checksum verified at all (NOT a safe setting: it
+                            # shows what the copies and the writes cost alone, i.e. what bounds the load)
+                            client._verify_pool = ThreadPoolExecutor(threads) if threads else _Unverified()
+                            try:
+                                name = f"{threads}_verify_threads" if threads else "unverified"
+                                r[f"load_{name}_s"] = timer(load, repeat=repeat)
+                                r[f"ratio_to_h2d_{name}"] = raw_h2d / r[f"load_{name}_s"]
+                            finally:
+                                client._verify_pool.shutdown()
+                                client._verify_pool = pool4
+                    from kvmesh.dataplane.sinks import _DeviceCheck
+
+                    ld, got = client.fetch_to_device(client.lookup_keys(keys[0], keys), device)
+                    r["chunks_checked_on_device"] = sum(isinstance(c, _DeviceCheck) for c in ld.checks)
+                    r["chunks_checked_on_device_all_good"] = ld.first_unverified() == got
+                    ld.release()
                     r["speedup_vs_previous_path"] = r["previous_path_pageable_s"] / t
                 out[layout] = r
                 w.close()
@@ -202,6 +223,28 @@ def vllm_load(device, total_bytes: int, timer, layouts=("flash_attn", "flashinfe
     out.update(vllm_gpu_load_ratio_to_h2d=main["ratio_to_h2d"], layout=layouts[0],
                all_bit_exact=all(out[lay]["bit_exact"] for lay in layouts), goal="vllm_gpu_load_ratio_to_h2d >= 0.9")
     return out
+
+
+class _devsums_hidden:
+    """Within it, the node's pins carry no device sums for `keys` (as before the node's device-checksum thread
+    came to them): a device sink checks those chunks with xxh3. A diagnostic."""
+
+    def __init__(self, node, keys) -> None:
+        self.node, self.keys = node, keys
+        self.saved: dict[int, int | None] = {}  # slot -> its recorded device sum
+
+    def __enter__(self):
+        with self.node.lock:
+            for k in self.keys:
+                slot = self.node.tier.slot_of(k)
+                rec = self.node.tier.record(slot)
+                self.saved[slot], rec.devsum = rec.devsum, None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self.node.lock:
+            for slot, d in self.saved.items():
+                self.node.tier.record(slot).devsum = d
 
 
 class _Unverified:

@@ -16,7 +16,9 @@ which `kvmesh.start` runs as a threaded Ray actor (so a long pull never blocks a
 The node is a facade over parts that own their state: the tier `Cascade` and the pins (under `lock`), the
 `Registrar` (the single writer of the node's directory entries and lease), the `Janitor`, the `PullThrough`
 (with its own `Fetcher`), a `NodeView` of its peers, and the `DataServer`. Threads: Ray's request threads, the
-registrar's, one maintenance thread (pin expiry, promotions, telemetry, the janitor), the disk I/O threads.
+registrar's, one maintenance thread (pin expiry, promotions, telemetry, the janitor), the disk I/O threads, and
+one device-checksum thread (`_devsum_loop`: the device checksums of CPU-slab chunks, which pins hand to readers so
+that a device sink verifies those chunks on the GPU; see tiers.cpu and tiers.devsum).
 """
 
 from __future__ import annotations
@@ -160,6 +162,9 @@ class KVNode:
         self._closed = False
         self._thread = threading.Thread(target=self._maintain, name="kvmesh-node-maintenance", daemon=True)
         self._thread.start()
+        self._devsum_busy = 0  # chunks the device-checksum thread is working on now (under the lock)
+        self._devsum_thread = threading.Thread(target=self._devsum_loop, name="kvmesh-node-devsum", daemon=True)
+        self._devsum_thread.start()
         self._io_threads = []
         if disk is not None:
             for i in range(cfg.io_threads):
@@ -224,7 +229,8 @@ class KVNode:
             pin_id = next(self._pin_ids)
             if slots or on_gpu:
                 self._pins[pin_id] = (slots, [s for s, _ in on_gpu], time.monotonic() + self.config.pin_ttl_s)
-            rows = [PinnedChunk(s, self.tier.record(s).nbytes, self.tier.record(s).checksum) for s in slots]
+            recs = [self.tier.record(s) for s in slots]
+            rows = [PinnedChunk(s, r.nbytes, r.checksum, r.devsum) for s, r in zip(slots, recs)]
             self.stats_counts["pins"] += 1
             self.stats_counts["pinned_chunks"] += len(slots) + len(on_gpu)
             self.stats_counts["pinned_gpu_chunks"] += len(on_gpu)
@@ -486,6 +492,36 @@ class KVNode:
                         self.stats_counts["disk_recovery_corrupt"] += 1
                     self._post_changes()
 
+    def _devsum_loop(self) -> None:
+        """Record the device checksum of every chunk that becomes readable in the CPU slab (stores, copies from the
+        GPU tier, disk reads, pull-throughs), a few at a time. Off the store path on purpose: a store returns as
+        soon as its chunks are verified and registered, and a reader that pins a chunk before its sum is recorded
+        checks it with xxh3, as it did before sums existed. A chunk whose bytes no longer match its xxh3 gets no
+        sum (its next reader finds it corrupt and reports it, as before)."""
+        from kvmesh.tiers.devsum import Coefficients
+
+        coefficients = Coefficients()  # the constants, built once for this thread
+        while not self._stop.is_set():
+            with self.lock:
+                work = self.tier.take_devsum_work(4)
+                self._devsum_busy = len(work)
+            if not work:
+                self._stop.wait(0.02)
+                continue
+            sums: list[int | None] = []
+            try:
+                for w in work:
+                    sums.append(self.tier.compute_devsum(w, coefficients))
+            finally:
+                sums += [None] * (len(work) - len(sums))
+                with self.lock:
+                    for w, d in zip(work, sums):
+                        self.tier.finish_devsum(w, d)
+                    self._devsum_busy = 0
+                    recorded = sum(d is not None for d in sums)
+                    self.stats_counts["slab_devsums"] += recorded
+                    self.stats_counts["slab_devsums_refused"] += len(sums) - recorded
+
     def _run_promotions(self) -> None:
         with self.lock:
             keys, self._promote = self._promote, []
@@ -524,7 +560,8 @@ class KVNode:
                      tier_flows=[[src, dst, n, c.flow_bytes[(src, dst)]] for (src, dst), n in c.flows.items()])
             d.update(node_id=self.node_id, pid=os.getpid(), incarnation=self.lease.incarnation, chunks=len(self.tier),
                      used_bytes=self.tier.used_bytes, capacity_bytes=self.tier.num_slots * self.tier.slot_bytes,
-                     pinned=sum(len(s) + len(g) for s, g, _ in self._pins.values()), fenced=self.fenced)
+                     pinned=sum(len(s) + len(g) for s, g, _ in self._pins.values()), fenced=self.fenced,
+                     slab_devsums_queued=self.tier.devsum_queued() + self._devsum_busy)
             disk = self.cascade.disk
             if disk is not None:
                 d.update(disk_chunks=len(disk), disk_used_bytes=disk.used_bytes,
@@ -570,6 +607,7 @@ class KVNode:
         self._closed = True
         self._stop.set()
         self._thread.join(timeout=5)
+        self._devsum_thread.join(timeout=30)  # it reads the slab: done before the slab is unmapped
         if self.data_server:
             self.data_server.shutdown()
         self._peers.close()

@@ -43,7 +43,7 @@ class SlotSink:
     def put(self, i: int, src) -> None:
         np.copyto(self._buf(i), np.frombuffer(src, dtype=np.uint8))
 
-    def adopt(self, i: int, src, chunk_checksum: int, on_bad) -> bool:
+    def adopt(self, i: int, src, chunk_checksum: int, on_bad, device_sum: int | None = None) -> bool:
         return False
 
     def commit(self, i: int, chunk_checksum: int) -> None:
@@ -82,7 +82,7 @@ class BufferSink:
     def put(self, i: int, src) -> None:
         np.copyto(self.segments(i)[0], np.frombuffer(src, dtype=np.uint8))
 
-    def adopt(self, i: int, src, chunk_checksum: int, on_bad) -> bool:
+    def adopt(self, i: int, src, chunk_checksum: int, on_bad, device_sum: int | None = None) -> bool:
         return False
 
     def commit(self, i: int, chunk_checksum: int) -> None:

@@ -8,9 +8,11 @@ travel beside the header as one contiguous uint8 buffer, chunks back to back in 
     NodeInfo      [1, node_id, actor_name, slab_path, slab_bytes, slot_bytes, data_addr]
     PinRequest    [1, [key, ...], requester node id, gpu]
                   gpu: the reader can read the node's GPU tier device to device (CUDA IPC)
-    PinReply      [1, pin_id, [[slot, nbytes, checksum], ...], slab_path, [[gpu slot, nbytes, device sum], ...]]
+    PinReply      [1, pin_id, [[slot, nbytes, checksum], ...], slab_path, [[gpu slot, nbytes, device sum], ...],
+                  [device sum or nil, ...]]
                   the leading chunks, pinned: first those in the GPU tier (asked with gpu: device sums as u64),
-                  then the rest in the CPU slab
+                  then the rest in the CPU slab; the last field, one per slab chunk, is its device checksum
+                  (tiers.devsum, as u64) where the node has recorded one, else nil (a reply without it: none known)
     PullRequest   [1, [key, ...], requester node id]
     PullReply     [1, [[nbytes, checksum], ...]]  + buffer              leading chunks found and verified
     StoreRequest  [1, [[group, key, nbytes, checksum], ...]] + buffer
@@ -133,6 +135,7 @@ class PinnedChunk:
     slot: int
     nbytes: int
     checksum: int
+    devsum: int | None = None  # a slab chunk's device checksum (tiers.devsum), where its node has recorded one
 
 
 U64 = (1 << 64) - 1
@@ -141,7 +144,8 @@ U64 = (1 << 64) - 1
 def pack_pin_reply(pin_id: int, chunks: list[PinnedChunk], slab_path: str,
                    gpu: Sequence[PinnedChunk] = ()) -> bytes:
     return msgpack.packb([VERSION, pin_id, [[c.slot, c.nbytes, c.checksum] for c in chunks], slab_path,
-                          [[c.slot, c.nbytes, c.checksum & U64] for c in gpu]])
+                          [[c.slot, c.nbytes, c.checksum & U64] for c in gpu],
+                          [None if c.devsum is None else c.devsum & U64 for c in chunks]])
 
 
 def _pinned_rows(v, what: str) -> list[list]:
@@ -157,9 +161,21 @@ def unpack_pin_reply(data) -> tuple[int, list[PinnedChunk], str, list[PinnedChun
     o = _unpack(data, "PinReply")
     rows = _pinned_rows(_field(o, 2, list, "PinReply"), "PinReply")
     gpu = _pinned_rows(o[4], "PinReply") if len(o) > 4 and isinstance(o[4], list) else []
-    signed = [r[2] - (1 << 64) if r[2] >= 1 << 63 else r[2] for r in gpu]  # device sums are int64
-    return (_field(o, 1, int, "PinReply"), [PinnedChunk(r[0], r[1], r[2]) for r in rows],
+    signed = [_int64(r[2]) for r in gpu]  # device sums are int64
+    sums: list[int | None] = [None] * len(rows)
+    if len(o) > 5 and o[5] is not None:  # (an older node sends none: its slab chunks are checked with xxh3)
+        v = o[5]
+        if not isinstance(v, list) or len(v) != len(rows) or not all(
+                x is None or (isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= U64) for x in v):
+            raise WireError("PinReply: device sums must be one u64 or nil per slab chunk")
+        sums = [None if x is None else _int64(x) for x in v]
+    return (_field(o, 1, int, "PinReply"), [PinnedChunk(r[0], r[1], r[2], d) for r, d in zip(rows, sums)],
             _field(o, 3, str, "PinReply"), [PinnedChunk(r[0], r[1], c) for r, c in zip(gpu, signed)])
+
+
+def _int64(x: int) -> int:
+    """A u64 on the wire back to the int64 it stands for."""
+    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 def pack_chunk_header(rows: list[tuple[int, int]]) -> bytes:

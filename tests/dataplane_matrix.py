@@ -13,7 +13,9 @@ Dimensions:
 
 Each case checks: every delivered chunk equals its own reference bytes; a fault truncates at the first bad chunk
 (exactly: K for a corrupt chunk, the removed holder's first chunk for a removal); no pin outlives the call; the
-holder of a corrupt copy counts it and drops it (a later lookup stops before it).
+holder of a corrupt copy counts it and drops it (a later lookup stops before it). Slab chunks read into the device
+sink are read once their node has recorded their device checksums, and must have been checked by those, over the
+bytes as they landed on the device (not by xxh3 on the reader's CPU threads): a corrupt one is caught that way.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import itertools
 import torch
 
 from kvmesh import KVSpec
+from tests.conftest import wait_until
 
 SOURCES = ("slab", "tcp", "ray", "via", "disk")
 SINKS = ("new", "out", "device")
@@ -96,14 +99,18 @@ def chunk(kv: torch.Tensor, i: int) -> torch.Tensor:
 
 def run_case(backend, case) -> None:
     """`backend`: store(role, toks, kv, only) / lookup(role, toks, opts) / fetch(role, match, sink, opts) ->
-    (delivered, kv of the delivered chunks) / kill(role) / revive(role) / corrupt(role, toks, index) /
-    counters(role) -> dict / pinned() -> {role: pinned} / lookup_len(role, toks) -> chunks cached."""
+    (delivered, kv of the delivered chunks), leaving in `backend.device_checked` the chunk indices a device sink
+    checked by device checksum / kill(role) / revive(role) / corrupt(role, toks, index) / counters(role) -> dict /
+    pinned() -> {role: pinned} / lookup_len(role, toks) -> chunks cached."""
     source, sink, split, fault = case
     reader = ROLES[source][0]
     toks, kv = data(seed(case))
     where = holders(source, split)
     for role in dict.fromkeys(where):
         backend.store(role, toks, kv, [i for i, r in enumerate(where) if r == role])
+    device_slab = source == "slab" and sink == "device"
+    if device_slab:  # the reader's node has recorded its chunks' device checksums (a background thread)
+        wait_until(lambda: backend.counters(reader)["slab_devsums_queued"] == 0, 10)
     opts = options(source, split)
     match = backend.lookup(reader, toks, opts)
     assert match.num_chunks == N, f"the lookup found {match.num_chunks} of {N} chunks"
@@ -120,6 +127,10 @@ def run_case(backend, case) -> None:
             backend.revive(removed(source, split))
     want = expected(source, split, fault)
     assert delivered == want, f"delivered {delivered} chunks, expected {want}"
+    if device_slab:  # every slab chunk up to the result (and the corrupt one) was checked on the device
+        must = {i for i in range(want + (fault == "corrupt")) if where[i] == reader}
+        checked = set(backend.device_checked)
+        assert must <= checked, f"slab chunks {sorted(must - checked)} were not checked by device checksum"
     assert got.shape[2] == delivered * SPEC.chunk_tokens
     for i in range(delivered):
         c = SPEC.chunk_tokens
@@ -131,3 +142,10 @@ def run_case(backend, case) -> None:
         dropped = sum(after.get(c, 0) - before.get(c, 0) for c in ("corrupt_dropped", "disk_checksum_failures"))
         assert dropped == 1, f"the holder counted {dropped} corrupt chunks"
         backend.wait_lookup_len(reader, toks, opts, K)  # and it is no longer listed
+
+
+def device_checked(load) -> list[int]:
+    """The chunk indices of a `LayerwiseLoad` checked by device checksum (not by xxh3 on CPU threads)."""
+    from kvmesh.dataplane.sinks import _DeviceCheck
+
+    return [i for i, c in zip(load.checked, load.checks) if isinstance(c, _DeviceCheck)]

@@ -8,10 +8,12 @@ Every sink has, for chunk index i of the fetch (0-based within the match):
     segments(i) -> [array]  writable host memory chunk i's bytes land in, in chunk byte order (a receiver writes
                             the socket's bytes straight into it). Distinct chunks never share memory
     put(i, src)             copy chunk i's bytes (chunk layout, host memory) into the sink
-    adopt(i, src, checksum, on_bad) -> bool
+    adopt(i, src, checksum, on_bad, device_sum=None) -> bool
                             take page-locked `src` (a pinned slab slot) by reference instead of copying; the sink
-                            verifies it against `checksum` itself, calls `on_bad()` if it fails, and keeps `src`
-                            until it is released. False: this sink copies instead
+                            verifies it itself (against `device_sum`, the slot's device checksum, over the bytes as
+                            they land on the device where it is given and the sink copies to a device; else
+                            against `checksum`, xxh3), calls `on_bad()` if it fails, and keeps `src` until it is
+                            released. False: this sink copies instead
     adopt_device(i, src, device_sum, on_bad)
                             (sinks with `device_reads`) the same for a GPU-tier slot mapped through CUDA IPC: copied
                             device to device, its device checksum (tiers.devsum) verified on a side stream
@@ -63,7 +65,8 @@ class HostSink:
         s = self.spec
         self._dst(i).copy_(torch.frombuffer(src, dtype=torch.uint8).view(s.num_layers, 2, s.chunk_tokens, -1))
 
-    def adopt(self, i: int, src, chunk_checksum: int, on_bad: Callable[[], None]) -> bool:
+    def adopt(self, i: int, src, chunk_checksum: int, on_bad: Callable[[], None],
+              device_sum: int | None = None) -> bool:
         return False
 
     def commit(self, i: int, chunk_checksum: int) -> None:
@@ -78,14 +81,17 @@ class HostSink:
 
 class DeviceSink:
     """Onto a device (`movers.to_device`: layer group by layer group, completion per layer). Same-node chunks are
-    adopted: DMA'd straight from the page-locked slab, verified by CPU threads while the copies run
-    (`load.verified()`), unpinned on `load.release()`. Peer chunks land in page-locked staging that belongs to this
-    fetch alone, one row per chunk. `finish(n)` returns (LayerwiseLoad or None, n)."""
+    adopted: DMA'd straight from the page-locked slab, unpinned on `load.release()`, and verified while the copies
+    run (`load.verified()`): on the device, by their device checksum over the bytes as they landed in the staging
+    (with the GPU-tier chunks' sums, layer group by layer group on a side stream), where the node recorded one;
+    else xxh3 on CPU threads. Peer chunks land in page-locked staging that belongs to this fetch alone, one row per
+    chunk. `finish(n)` returns (LayerwiseLoad or None, n)."""
 
     def __init__(self, spec: KVSpec, device: torch.device, verify: Executor, min_copy_bytes: int = 8 << 20) -> None:
         self.spec, self.device, self.min_copy_bytes = spec, device, min_copy_bytes
         self.device_reads = device.type == "cuda"  # GPU-tier chunks may be adopted device to device
-        self._device: dict[int, tuple[int, Callable[[], None]]] = {}  # chunk index -> (device sum, on_bad)
+        # chunk index -> (device sum, on_bad): GPU-tier chunks, and slab chunks whose device sum the node knows
+        self._device: dict[int, tuple[int, Callable[[], None]]] = {}
         self._verify = verify
         self._srcs: dict[int, object] = {}  # chunk index -> host memory the device copy reads
         self._rows: dict[int, int] = {}  # chunk index -> its staging row
@@ -113,8 +119,12 @@ class DeviceSink:
     def put(self, i: int, src) -> None:
         self._row(i).copy_(torch.frombuffer(src, dtype=torch.uint8))
 
-    def adopt(self, i: int, src, chunk_checksum: int, on_bad: Callable[[], None]) -> bool:
+    def adopt(self, i: int, src, chunk_checksum: int, on_bad: Callable[[], None],
+              device_sum: int | None = None) -> bool:
         self._srcs[i] = src
+        if device_sum is not None:  # checked on the device in finish(), over what landed there
+            self._device[i] = (device_sum, on_bad)
+            return True
 
         def check() -> bool:
             ok = checksum(src) == chunk_checksum
@@ -153,12 +163,11 @@ class DeviceSink:
                          min_copy_bytes=self.min_copy_bytes)
         load.checks, load.checked = self._checks, self._checked
         on_device = sorted(i for i in self._device if i < n)
-        if on_device:  # device checksums of what landed, on a side stream after the last copy
-            from kvmesh.tiers.devsum import verify_on_side_stream
+        if on_device:  # device checksums of what landed, on a side stream as each layer group lands
+            from kvmesh.tiers.devsum import verify_rows_by_layer
 
             flat = load.staging.view(load.staging.shape[0], -1).view(torch.uint8)
-            last = next((e for e in reversed(load.events) if e is not None), None)
-            v = verify_on_side_stream([flat[i] for i in on_device], [self._device[i][0] for i in on_device], last)
+            v = verify_rows_by_layer(flat, on_device, [self._device[i][0] for i in on_device], load.events)
             for j, i in enumerate(on_device):
                 load.checks.append(_DeviceCheck(v, j, self._device[i][1]))
                 load.checked.append(i)
@@ -169,7 +178,8 @@ class DeviceSink:
 
 
 class _DeviceCheck:
-    """One GPU-tier chunk's share of a batch of device checksums, as a `LayerwiseLoad.checks` entry."""
+    """One chunk's share of a batch of device checksums (a GPU-tier chunk, or a slab chunk with a recorded device
+    sum), as a `LayerwiseLoad.checks` entry."""
 
     def __init__(self, verify, j: int, on_bad: Callable[[], None]) -> None:
         self._verify, self._j, self._on_bad = verify, j, on_bad

@@ -142,7 +142,7 @@ class PinnedTransfer(Transfer):
             i = run.start + j
             view = env.slab.view(row.slot * env.slot_bytes, cb)
             key = run.keys[j]
-            if sink.adopt(i, view, row.checksum, lambda k=key: local.report_corrupt([k])):
+            if sink.adopt(i, view, row.checksum, lambda k=key: local.report_corrupt([k]), row.devsum):
                 self._adopted = True
                 continue
             sink.put(i, view)

@@ -3,6 +3,23 @@
 The slab is a file under /dev/shm mapped by the owning KVNode (read-write) and by every worker on the node
 (`SlabReader`, read-only), so a local hit is read at memory bandwidth without the bytes passing through an actor
 call. Where CUDA is available the mapping is page-locked, so copies to and from the GPU run at bus speed.
+
+Device checksums of slab chunks (tiers.devsum), recorded after a chunk became readable by its node's
+device-checksum thread, in two phases around the computation (the owner's lock held for each, not between):
+
+    take_devsum_work(limit) -> [DevsumWork]     mutates: takes readable chunks whose device checksum is unknown,
+                                                oldest first (not pinned: the thread never keeps a chunk from being
+                                                evicted; see `generation`)
+    compute_devsum(work, coefficients) -> int | None
+                                                pure, no lock: S of the slot's bytes, or None when those bytes no
+                                                longer match the chunk's xxh3 (nothing is recorded for them)
+    finish_devsum(work, devsum)                 mutates: records it if the slot still holds the same store of the
+                                                same chunk (else the bytes it read may have changed under it)
+    devsum_pending() -> int                     reads: readable chunks without one yet
+    devsum_queued() -> int                      reads: chunks still queued for the thread
+
+A slot's device checksum is reset whenever it is taken for other bytes (`Slot.devsum`); a ready slot's bytes never
+change otherwise (only corruption changes them, which the xxh3 re-check or the reader's check catches).
 """
 
 from __future__ import annotations
@@ -10,6 +27,8 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from collections import deque
+from dataclasses import dataclass
 
 from kvmesh.tiers import TIER_CPU, checksum
 from kvmesh.tiers.slots import Slot, SlotPool, StoreTicket  # noqa: F401  (re-exported)
@@ -64,12 +83,28 @@ def page_unlock(address: int | None) -> None:
     torch.cuda.cudart().cudaHostUnregister(address)
 
 
+@dataclass(frozen=True, slots=True)
+class DevsumWork:
+    """A chunk whose device checksum is being computed: its slot, key, size and xxh3, and the slot's generation
+    when it was taken."""
+
+    slot: int
+    key: bytes
+    nbytes: int
+    checksum: int
+    generation: int
+
+
 class CpuTier(SlotPool):
     tier_id = TIER_CPU
 
     def __init__(self, path: str, num_slots: int, slot_bytes: int) -> None:
         super().__init__(num_slots, slot_bytes)
         self.path = path
+        # (slot, key) of chunks that became readable, for the device-checksum thread; stale entries (the slot
+        # reused since) are skipped, and at most one per slot is worth keeping, hence the bound
+        self._devsum_todo: deque[tuple[int, bytes]] = deque(maxlen=num_slots)
+        self._generation = [0] * num_slots  # per slot: how many times it was taken for new bytes
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, num_slots * slot_bytes)
@@ -97,6 +132,64 @@ class CpuTier(SlotPool):
 
     def checksum_of(self, slot: int) -> int:
         return checksum(self.chunk_view(slot))
+
+    def prepare_store(self, key: bytes, group: bytes, nbytes: int, on_evict=None,
+                      protect: set[bytes] | frozenset = frozenset()) -> StoreTicket | None:
+        ticket = super().prepare_store(key, group, nbytes, on_evict, protect)
+        if ticket is not None:  # new bytes: a device checksum being computed over the old ones is void
+            self._generation[ticket.slot] += 1
+        return ticket
+
+    def complete_store(self, ticket: StoreTicket, chunk_checksum: int) -> None:
+        super().complete_store(ticket, chunk_checksum)
+        self._devsum_todo.append((ticket.slot, ticket.key))
+
+    # -- device checksums ---------------------------------------------------------------------------------------
+    def take_devsum_work(self, limit: int) -> list[DevsumWork]:
+        out: list[DevsumWork] = []
+        while self._devsum_todo and len(out) < limit:
+            slot, key = self._devsum_todo.popleft()
+            s = self._slots[slot]
+            if s.key != key or not s.ready or s.doomed or s.devsum is not None:
+                continue  # reused, discarded or done since
+            out.append(DevsumWork(slot, key, s.nbytes, s.checksum, self._generation[slot]))
+        return out
+
+    def compute_devsum(self, work: DevsumWork, coefficients=None) -> int | None:
+        import torch
+
+        from kvmesh.tiers.devsum import host_device_checksum
+
+        view = self.buffer(work.slot)[: work.nbytes]
+        sum_ = host_device_checksum(torch.frombuffer(view, dtype=torch.uint8), coefficients)
+        # after S, over the same bytes: S vouches only for bytes that still match the chunk's xxh3 (bytes changed
+        # in between by a reuse of the slot are caught by finish_devsum's generation check)
+        return sum_ if checksum(view) == work.checksum else None
+
+    def finish_devsum(self, work: DevsumWork, devsum: int | None) -> None:
+        s = self._slots[work.slot]
+        if devsum is not None and s.key == work.key and s.ready and not s.doomed and \
+                self._generation[work.slot] == work.generation:
+            s.devsum = devsum
+
+    def devsum_pending(self) -> int:
+        return sum(1 for s in self._slots if s.ready and not s.doomed and s.devsum is None)
+
+    def devsum_queued(self) -> int:
+        """Chunks queued for the device-checksum thread (0: every readable chunk has been through it)."""
+        return len(self._devsum_todo)
+
+    def check_integrity(self, verify_checksums: bool = False) -> None:
+        super().check_integrity(verify_checksums)
+        if verify_checksums:
+            import torch
+
+            from kvmesh.tiers.devsum import host_device_checksum
+
+            for i, s in enumerate(self._slots):
+                if s.ready and not s.doomed and s.devsum is not None:
+                    got = host_device_checksum(torch.frombuffer(self.chunk_view(i), dtype=torch.uint8))
+                    assert got == s.devsum, f"slot {i} fails its device checksum"
 
     def close(self) -> None:
         page_unlock(self._locked_at)

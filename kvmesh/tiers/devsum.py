@@ -3,10 +3,14 @@ the GPU for GPU-tier chunks; the same function runs on CPU tensors, bit for bit)
 
     device_checksum(buf) -> 0-d int64 tensor       pure; asynchronous on CUDA (queued on the current stream)
     device_checksums(bufs) -> int64 tensor [n]     pure; one result per buffer
+    host_device_checksum(buf) -> int               pure; S of host bytes, block by block (a KVNode records it for
+                                                   its CPU-slab chunks, so device sinks verify them on the GPU)
     reference_checksum(data) -> int                pure Python/numpy, the definition (tests compare against it)
     Coefficients                                   a per-(device, words) cache of the constants (owned by a tier or
                                                    a mapper; no module-level state)
     Verify(expected, sums, event).result() -> bool  a `LayerwiseLoad.checks` entry: waits for the sums, compares
+    verify_rows_by_layer(flat, rows, expected, events)  S of rows of a device staging tensor, summed layer group
+                                                   by layer group as each group's copy lands (a side stream)
 
 Definition (written down once). View the bytes as little-endian int32 words w_0..w_{n-1} (a tail of 1-3 bytes is
 zero-padded into one more word). With the odd constants c_i = ((i * 0x9E3779B1 + 0x632BE5AB) mod 2^31) | 1:
@@ -30,7 +34,11 @@ Which checksum is checked where (a GPU-tier chunk may carry both):
 - device checksum (this module): over device bytes. Computed by the GPU tier when a chunk is placed in it (from
   the host: after the H2D copy, so it covers the bytes as they sit in the pool; from an engine's GPU: by the
   writer, over the bytes it wrote into the pool), and verified by a reader of a GPU-tier chunk over the bytes it
-  received in its own device buffer (D2D or peer-to-peer, no host copy). A chunk leaving the GPU tier for the host
+  received in its own device buffer (D2D or peer-to-peer, no host copy). A CPU-slab chunk gets one too, computed
+  by its KVNode's device-checksum thread (`host_device_checksum`) over the slot's bytes, and recorded only if the
+  same bytes still match the chunk's xxh3 (so it vouches for nothing xxh3 would not); a same-node reader that
+  DMAs the chunk into a device buffer verifies that instead of xxh3 on its CPU threads. A slab chunk whose
+  device checksum is not known yet is checked with xxh3 as before. A chunk leaving the GPU tier for the host
   (demotion, a host reader) keeps the xxh3 it entered with; one that entered from a GPU has its device checksum
   verified on the GPU first and its xxh3 computed over the host copy (`GpuTier.host_checksum`).
 """
@@ -93,6 +101,25 @@ def device_checksums(bufs: Sequence[torch.Tensor], coefficients: Coefficients | 
     return torch.stack([device_checksum(b, coefficients) for b in bufs])
 
 
+def host_device_checksum(buf: torch.Tensor, coefficients: Coefficients | None = None,
+                         block_words: int = 1 << 16) -> int:
+    """S of the bytes of CPU tensor `buf`, bit for bit what `device_checksum` returns, computed a block of words at
+    a time into one reused product buffer that stays in cache (several times faster on the CPU than one product
+    the size of the chunk, and no chunk-sized temporary)."""
+    assert not buf.is_cuda, "host_device_checksum is the CPU path"
+    w = _words(buf)
+    n = w.numel()
+    c = (coefficients or Coefficients()).get(n, w.device)
+    tmp = torch.empty(min(n, block_words), dtype=torch.int32)
+    total = 0
+    for a in range(0, n, block_words):
+        b = min(n, a + block_words)
+        p = tmp[: b - a]
+        torch.mul(w[a:b], c[a:b], out=p)
+        total += int(p.sum(dtype=torch.int64))
+    return total
+
+
 def reference_checksum(data) -> int:
     """The definition, in numpy (bytes-like in): what `device_checksum` must return."""
     b = np.frombuffer(bytes(data), dtype=np.uint8)
@@ -111,8 +138,10 @@ class Verify:
     """One entry of `LayerwiseLoad.checks`: `result()` waits for `sums` (queued after `event` on a side stream)
     and says whether every one equals `expected` (the checksums the tier recorded)."""
 
-    def __init__(self, sums: torch.Tensor, expected: Sequence[int], event=None) -> None:
+    def __init__(self, sums: torch.Tensor, expected: Sequence[int], event=None,
+                 positions: Sequence[int] | None = None) -> None:
         self.sums, self.expected, self.event = sums, [int(x) for x in expected], event
+        self.positions = None if positions is None else list(positions)  # sums[positions[j]] is expected[j]'s
         self._ok: list[bool] | None = None
 
     def per_chunk(self) -> list[bool]:
@@ -120,6 +149,8 @@ class Verify:
             if self.event is not None:
                 self.event.synchronize()
             got = self.sums.cpu().tolist()
+            if self.positions is not None:
+                got = [got[p] for p in self.positions]
             self._ok = [g == e for g, e in zip(got, self.expected)]
         return self._ok
 
@@ -151,3 +182,45 @@ def verify_on_side_stream(dsts: Sequence[torch.Tensor], expected: Sequence[int],
     for d in dsts:
         d.record_stream(stream)  # the caching allocator must not reuse a destination before the sums read it
     return Verify(sums, expected, done)
+
+
+def verify_rows_by_layer(flat: torch.Tensor, rows: Sequence[int], expected: Sequence[int], events: Sequence,
+                         coefficients: Coefficients | None = None) -> Verify:
+    """Checksum rows `rows` of `flat` (a [n, chunk bytes] uint8 view of a `LayerwiseLoad`'s staging) against
+    `expected`, off the critical path and overlapping the copies: on CUDA a side stream sums each layer group's
+    bytes (the layers that share an event in `events`, one per layer) as soon as that group's copy has landed,
+    one batched product and reduction per group over every row, and adds the partial sums (S is a sum over
+    words, so the partial sums add up to it exactly); what is left once the last copy ends is the last group's
+    sum. Elsewhere (the CPU, groups not 4-byte aligned, no events) `verify_on_side_stream` over whole rows."""
+    rows = list(rows)
+    layers = len(events)
+    if not rows or not flat.is_cuda or layers == 0 or any(e is None for e in events) or \
+            flat.shape[1] % (4 * layers) != 0:
+        last = next((e for e in reversed(events) if e is not None), None)
+        return verify_on_side_stream([flat[i] for i in rows], expected, last, coefficients)
+    coefficients = coefficients or Coefficients()
+    device = flat.device
+    lo, hi = min(rows), max(rows) + 1
+    span = flat[lo:hi]
+    layer_words = flat.shape[1] // 4 // layers
+    groups: list[tuple[int, int, torch.cuda.Event]] = []  # (first layer, end layer, event) of each group
+    for layer, ev in enumerate(events):
+        if groups and groups[-1][2] is ev:
+            groups[-1] = (groups[-1][0], layer + 1, ev)
+        else:
+            groups.append((layer, layer + 1, ev))
+    stream = torch.cuda.Stream(device=device)  # (each group's event is after everything the copies waited for)
+    with torch.cuda.stream(stream):
+        c = coefficients.get(flat.shape[1] // 4, device)
+        acc = torch.zeros(hi - lo, dtype=torch.int64, device=device)
+        for first, end, ev in groups:
+            stream.wait_event(ev)
+            a, b = first * layer_words, end * layer_words
+            words = span[:, 4 * a:4 * b].view(torch.int32)
+            acc += torch.mul(words, c[a:b]).sum(dim=1, dtype=torch.int64)
+        done = torch.cuda.Event()
+        done.record(stream)
+    flat.record_stream(stream)  # the caching allocator must not reuse the staging before the sums read it
+    # (rows are picked out of the span's sums on the host: an index tensor copied to the device here would wait
+    # for the copies)
+    return Verify(acc, expected, done, [r - lo for r in rows])

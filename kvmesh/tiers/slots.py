@@ -30,7 +30,7 @@ from kvmesh.policy import LRUPolicy
 class Slot:
     """Record of one slot. Changed only by the owning `CpuTier`, under the owner's lock."""
 
-    __slots__ = ("key", "group", "nbytes", "checksum", "pins", "ready", "doomed")
+    __slots__ = ("key", "group", "nbytes", "checksum", "pins", "ready", "doomed", "devsum")
 
     def __init__(self) -> None:
         self.key: bytes | None = None  # chunk hash held, None when free
@@ -40,6 +40,10 @@ class Slot:
         self.pins = 0  # readers (and the writer) holding the slot
         self.ready = False  # readable: written and checksummed
         self.doomed = False  # discarded while pinned: freed on the last unpin
+        # device checksum (tiers.devsum) of the bytes, where the tier records one (the CPU slab: its node's
+        # device-checksum thread, after the chunk became readable); None until then, and reset whenever the slot
+        # is taken for other bytes (prepare_store, adopt, release)
+        self.devsum: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +115,7 @@ class SlotPool:
                 self._release(slot)
         slot = self._free.pop()
         s = self._slots[slot]
-        s.key, s.group, s.nbytes, s.pins, s.ready, s.doomed = key, group, nbytes, 1, False, False
+        s.key, s.group, s.nbytes, s.pins, s.ready, s.doomed, s.devsum = key, group, nbytes, 1, False, False, None
         self._by_key[key] = slot
         self.group_counts[group] += 1
         return StoreTicket(slot, key, evicted)
@@ -128,6 +132,7 @@ class SlotPool:
             s = self._slots[slot]
             s.key, s.group, s.nbytes, s.checksum, s.pins, s.ready, s.doomed = (key, group, nbytes, chunk_checksum,
                                                                                0, True, False)
+            s.devsum = None
             self._by_key[key] = slot
             self.group_counts[group] += 1
             self._policy.insert(key)
@@ -207,7 +212,7 @@ class SlotPool:
         self.group_counts[s.group] -= 1
         if not self.group_counts[s.group]:
             del self.group_counts[s.group]
-        s.key, s.group, s.nbytes, s.checksum, s.ready, s.doomed = None, b"", 0, 0, False, False
+        s.key, s.group, s.nbytes, s.checksum, s.ready, s.doomed, s.devsum = None, b"", 0, 0, False, False, None
         self._free.append(slot)
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
@@ -227,5 +232,6 @@ class SlotPool:
                     assert self.verify(i), f"slot {i} fails its checksum"
             if not s.ready:
                 assert s.pins >= 1, f"slot {i} being written without the writer's pin"
+                assert s.devsum is None, f"slot {i} has a device checksum before its bytes are complete"
         assert len(free) + len(self._by_key) == self.num_slots, "slots lost"
         assert len(self._policy) <= len(self._by_key)

@@ -32,6 +32,7 @@ class PlainBackend:
         self.nodes = {r: self._node(r, f"node-{r}" * 6) for r in "ABCD"}
         self.reader = None
         self.seq = 0
+        self.device_checked: list[int] = []  # of the last fetch
 
     def _node(self, role, node_id):
         n = KVNode(self.configs[role], node_id, f"kvnode-{role}")
@@ -68,8 +69,10 @@ class PlainBackend:
         c, s = self.reader, mx.SPEC
         try:
             load, n = c.fetch_to_device(match, DEVICE)
+            self.device_checked = []
             if load is None:
                 return 0, torch.empty(s.kv_shape(0), dtype=s.torch_dtype)
+            self.device_checked = mx.device_checked(load)
             try:
                 n = min(n, load.first_unverified())
                 got = load.staging[:n].permute(1, 2, 0, 3, 4, 5).reshape(s.kv_shape(n * s.chunk_tokens)).cpu()

@@ -54,20 +54,20 @@ class Worker:
             if sink == "device":
                 load, n = c.fetch_to_device(match, "cpu")
                 if load is None:
-                    return 0, torch_empty()
+                    return 0, torch_empty(), []
                 try:
                     n = min(n, load.first_unverified())
                     got = load.staging[:n].permute(1, 2, 0, 3, 4, 5).reshape(s.kv_shape(n * s.chunk_tokens)).clone()
                 finally:
                     load.release()
-                return n, got
+                return n, got, mx.device_checked(load)
             out = None
             if sink == "out":
                 import torch
 
                 out = torch.full(s.kv_shape(match.num_tokens + s.chunk_tokens), float("nan"), dtype=s.torch_dtype)
             got = c.fetch(match, out=out)
-            return got.shape[2] // s.chunk_tokens, got.clone()
+            return got.shape[2] // s.chunk_tokens, got.clone(), []
         finally:
             c.close()
             self.client = None
@@ -97,6 +97,7 @@ class RayBackend:
         self.workers = {r: Worker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
                         for r, n in self.nodes.items()}
         self.seq = 0
+        self.device_checked: list[int] = []  # of the last fetch
 
     def actor(self, role):
         return node_actors()[self.nodes[role]]
@@ -117,7 +118,8 @@ class RayBackend:
         return ray.get(self.workers[role].lookup.remote(toks, opts), timeout=60)
 
     def fetch(self, role, match, sink, opts):
-        return ray.get(self.workers[role].fetch.remote(match, sink), timeout=60)
+        n, got, self.device_checked = ray.get(self.workers[role].fetch.remote(match, sink), timeout=60)
+        return n, got
 
     def kill(self, role):
         actor = self.actor(role)

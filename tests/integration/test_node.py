@@ -10,6 +10,7 @@ from kvmesh.config import KVMeshConfig
 from kvmesh.directory import Directory
 from tests.integration.nodes import WireNode
 from kvmesh.tiers import TIER_CPU, checksum
+from kvmesh.tiers.devsum import reference_checksum
 from kvmesh.wire import StoreItem, WireError, pack_keys, pack_store, unpack_chunk_header, unpack_pin_reply
 from tests.conftest import wait_until
 
@@ -63,6 +64,17 @@ def test_pins_protect_a_same_node_read_and_expire(node):
     node.config = node.config.replace(pin_ttl_s=0.1)
     node.pin(pack_keys([k(1)]))  # a reader that never unpins
     wait_until(lambda: node.stats()["pinned"] == 0, 3)
+
+
+def test_pins_carry_each_slab_chunk_s_device_checksum_once_the_node_has_recorded_it(node):
+    node.store(*chunks(1, 2))
+    wait_until(lambda: node.stats()["slab_devsums_queued"] == 0, 5)  # (the node's device-checksum thread)
+    pin_id, rows, _path, _ = unpack_pin_reply(node.pin(pack_keys([k(1), k(2)])))
+    assert [r.devsum for r in rows] == [reference_checksum(np.full(SLOT, i, dtype=np.uint8).tobytes())
+                                        for i in (1, 2)]
+    node.unpin(pin_id)
+    assert node.stats()["slab_devsums"] == 2
+    node.check_integrity()  # (which re-checks the recorded sums)
 
 
 def test_a_corrupt_chunk_is_never_served_and_is_unregistered(node):

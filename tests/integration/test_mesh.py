@@ -74,14 +74,16 @@ def w_lookup_then_store(s, toks, kv):
 
 # -- tests ---------------------------------------------------------------------------------------------------------
 def test_start_is_idempotent_with_one_kvnode_per_node(mesh, ray_cluster):
+    # (earlier tests may have added nodes, and killed and revived KVNodes: compare with what runs now)
+    first = kvmesh.start(mesh.config.redis_url, key_prefix="it")
     before = {n: h._actor_id for n, h in node_actors().items()}
     again = kvmesh.start(mesh.config.redis_url, key_prefix="it")
-    assert sorted(again.node_ids) == sorted(ray_cluster.node_ids())  # other tests may have added nodes
+    assert sorted(first.node_ids) == sorted(again.node_ids) == sorted(ray_cluster.node_ids())
     # the same actor processes, not new ones (an incarnation may move on if a lease lapsed under load; the actor
     # and its data listener do not)
     assert {n: h._actor_id for n, h in node_actors().items()} == before
     addr = {n.node_id: n.data_addr for n in again.nodes}
-    assert all(addr[n.node_id] == n.data_addr for n in mesh.nodes)
+    assert all(addr[n.node_id] == n.data_addr for n in first.nodes)
     assert sorted(node_actors()) == sorted(ray_cluster.node_ids())
 
 

@@ -10,9 +10,10 @@
 Where the chunks land. vLLM's blocks on a GPU: through the data plane's device sink (`client.fetch_to_device`):
 same-node chunks by DMA straight from the node's page-locked slab, peer chunks through page-locked staging of the
 fetch's own, into a device staging tensor layer by layer; each layer's writes into the blocks wait (on the GPU) for
-that layer's copy alone. The slab chunks' checksums are verified by CPU threads while the DMA runs, and only the
-chunks before the first that fails are written (the rest are failed blocks). Blocks on the CPU (vLLM's CPU
-backend): `client.fetch` into a CPU tensor, then the writes.
+that layer's copy alone. The slab chunks are verified while the DMA runs (on the GPU, by the device checksums
+their node recorded, over the bytes as they landed; a chunk without one by xxh3 on CPU threads), and only the
+chunks before the first that fails are written (the rest are failed blocks): the writes start once every check is
+in. Blocks on the CPU (vLLM's CPU backend): `client.fetch` into a CPU tensor, then the writes.
 
 Coalescing: the in-flight map (chunk hash -> (fetch, index)) holds every chunk from planning until the last load
 that needs it has written it, so concurrent requests that share a prefix make one transfer, not one each.

@@ -11,9 +11,13 @@ Where the chunks land. vLLM's blocks on a GPU: through the data plane's device s
 same-node chunks by DMA straight from the node's page-locked slab, peer chunks through page-locked staging of the
 fetch's own, into a device staging tensor layer by layer; each layer's writes into the blocks wait (on the GPU) for
 that layer's copy alone. The slab chunks are verified while the DMA runs (on the GPU, by the device checksums
-their node recorded, over the bytes as they landed; a chunk without one by xxh3 on CPU threads), and only the
-chunks before the first that fails are written (the rest are failed blocks): the writes start once every check is
-in. Blocks on the CPU (vLLM's CPU backend): `client.fetch` into a CPU tensor, then the writes.
+their node recorded, over the bytes as they landed; a chunk without one by xxh3 on CPU threads). A synchronous
+load (the forward pass reads layer i as soon as it is written) writes only the chunks before the first that fails,
+once every check is in. An asynchronous load writes every chunk that arrived while the checks run, then waits for
+them: the blocks of the first chunk that failed and of every chunk after it are failed blocks, which vLLM
+recomputes (overwriting what was written there) before anything reads them, since vLLM reads none of a load's
+blocks before the load is reported. Blocks on the CPU (vLLM's CPU backend): `client.fetch` into a CPU tensor
+(verified as it lands), then the writes.
 
 Coalescing: the in-flight map (chunk hash -> (fetch, index)) holds every chunk from planning until the last load
 that needs it has written it, so concurrent requests that share a prefix make one transfer, not one each.
@@ -50,10 +54,18 @@ class Fetch:
     kv: torch.Tensor | None = None  # blocks on the CPU: [L, 2, got * C, H, D] once done
     load: LayerwiseLoad | None = None  # blocks on a device: staging [got, L, 2, C, H, D] on it, layer l usable
     # on a stream after load.wait(l); released (slab chunks unpinned) with the last load that needs it
-    got: int = 0  # leading chunks that arrived intact
+    got: int = 0  # leading chunks that arrived (on a device: intact once `verified()` has run)
+    checked: bool = False  # a device fetch's checks are in, and `got` counts only intact chunks
     unreachable: str = ""  # the holder node a short fetch could not reach (not for a corrupt chunk)
     done: threading.Event = field(default_factory=threading.Event)
     refs: int = 0  # loads that still need it (guarded by the worker's lock)
+
+    def verified(self) -> int:
+        """The leading chunks that arrived intact: for a device fetch, waits for its checks (once)."""
+        if self.load is not None and not self.checked:
+            self.got = min(self.got, self.load.first_unverified())
+            self.checked = True
+        return self.got
 
 
 @dataclass(eq=False)
@@ -138,10 +150,10 @@ class Loader:
                             return
                         for ld in loads:
                             if ld.job.group == g:
-                                self._write(ld, range(i, i + 1))
+                                self._write(ld, range(i, i + 1), verify_first=True)
                     ev.set()
             else:
-                self._write(item, range(len(w.group_layers[item.job.group])))
+                self._write(item, range(len(w.group_layers[item.job.group])), verify_first=False)
         except Exception as e:
             log.warning("kvmesh: load failed: %s", e)
             w.count("vllm_errors_load")
@@ -171,8 +183,7 @@ class Loader:
                     kv = client.fetch(match, out=buf, deadline_s=w.options.fetch_timeout_s)
                     f.kv, f.got = kv, kv.shape[2] // c
                 st = client.last_fetch
-            if f.load is not None:  # verified while the DMA ran (outside the lock: saves go on meanwhile)
-                f.got = min(f.got, f.load.first_unverified())
+            # (a device fetch is verified while the DMA runs; its writers wait for the checks: `Fetch.verified`)
             if match.num_chunks:
                 if f.got < match.num_chunks and st.error in ("peer_error", "deadline"):
                     holders = [h.node_id for h in match.chunks[f.got].holders if h.node_id != client.node_id]
@@ -187,16 +198,19 @@ class Loader:
         finally:
             f.done.set()
 
-    def _write(self, ld: Load, layers: range) -> None:
+    def _write(self, ld: Load, layers: range, verify_first: bool) -> None:
         """Write the chunks of `ld` that arrived into its blocks, for `layers`; blocks after the first chunk
-        that did not arrive are failed (vLLM recomputes from the first failed block anyway)."""
+        that did not arrive intact are failed (vLLM recomputes from the first failed block anyway).
+        `verify_first`: write only chunks whose checks are in and passed (the forward pass may read the blocks
+        at once); else write what arrived, then wait for the checks and fail the blocks from the first bad chunk
+        on (an asynchronous load: nothing reads its blocks before it is reported)."""
         w = self.worker
         job, m, c = ld.job, w.per_chunk, w.chunk
         group_layers = w.group_layers[job.group]
         ok = 0
         limit = time.monotonic() + (w.options.fetch_timeout_s or 10.0) + WAIT_SLACK_S
         for f, i in ld.parts:  # fetches of loads queued earlier (or of this one): done, or failing by a deadline
-            if not f.done.wait(max(0.0, limit - time.monotonic())) or i >= f.got:
+            if not f.done.wait(max(0.0, limit - time.monotonic())) or i >= (f.verified() if verify_first else f.got):
                 break
             ok += 1
         lo, hi = job.skip_blocks, min(job.fill_blocks, ok * m)
@@ -223,6 +237,12 @@ class Loader:
                 src = f.kv[layer, :, start * c:start * c + (b1 - b0) * w.block_size]
                 scatter_layer(src, group_layers[layer], w.codec, ids[b0:b1], first=max(0, lo - b0))
             j += k
+        if not verify_first:  # the checks of what was written (they ran while it was written)
+            good = next((n for n, (f, i) in enumerate(ld.parts[:ok]) if i >= f.verified()), ok)
+            if good < ok:
+                w.count("vllm_load_unverified_chunks", ok - good)
+                ok, hi = good, min(job.fill_blocks, good * m)
+                ld.failed = list(job.block_ids[max(lo, ok * m):job.fill_blocks])
         if layers.stop == len(group_layers):
             w.count("vllm_loaded_chunks", ok)
             if len(w.specs) > 1:

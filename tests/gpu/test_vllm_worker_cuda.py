@@ -5,7 +5,7 @@ never stalls the compute stream; a synchronous load lets layer i's consumer wait
 The two vLLM names the worker imports are stubbed when vLLM is absent. Most tests use a stand-in client holding
 chunks in a dict (the worker's own logic, streams and layouts are what is under test); the last ones load through a
 real KVNode (a plain object, no Ray) and a real redis-server: the data plane's device sink DMAs the chunks from the
-node's page-locked slab, and a chunk that fails its checksum is never written. Skipped without a GPU."""
+node's page-locked slab, and a chunk that fails its checksum is never used. Skipped without a GPU."""
 
 import hashlib
 import sys
@@ -327,7 +327,11 @@ def test_a_load_through_a_real_node_lands_from_the_slab_on_the_gpu_bit_exact(nod
             assert torch.equal(block(dst[i], d), block(src[i], s)), f"layer {i} block {s}->{d}"
 
 
-def test_a_chunk_that_fails_its_checksum_in_the_slab_is_never_written(node):
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_a_chunk_that_fails_its_checksum_in_the_slab_is_never_used(node, sync):
+    # async: what arrived is written while the checks run, and the blocks from the bad chunk on are failed (vLLM
+    # recomputes them before reading any block of the load); sync: the forward reads each layer at once, so only
+    # chunks whose checks passed are written
     make, block = LAYOUTS["flash_attn_2_NB_BS_H_D"]
     g = torch.Generator().manual_seed(40)
     src = make(g)
@@ -348,10 +352,12 @@ def test_a_chunk_that_fails_its_checksum_in_the_slab_is_never_written(node):
         f.seek(offset + 1000)
         f.write(bytes([b[0] ^ 0x20]))
     dst = [torch.zeros_like(t) for t in src]
-    failed, counts = load_through(node, dst, toks, load_ids, sync=False)
+    failed, counts = load_through(node, dst, toks, load_ids, sync=sync)
     assert failed == set(load_ids[4:])  # chunks 1 and 2: vLLM recomputes them
     assert counts["vllm_loaded_blocks"] == 3
     for i in range(L):
         for s, d in zip(save_ids[1:4], load_ids[1:4]):
             assert torch.equal(block(dst[i], d), block(src[i], s)), f"layer {i} block {s}->{d}"
+        if sync:
+            assert not any(bool(block(dst[i], d).ne(0).any()) for d in load_ids[4:]), "a failed block was written"
 

@@ -97,7 +97,8 @@ class KVMeshClient:
         self._data = DataClient()
         self.fetcher = Fetcher(Env(node_id or "", local, self._slab,
                                    local_slab[2] if local_slab else 0, self._peer, self.view, self._data,
-                                   self._pool, self._reattach_local, GpuReads.open(gpu_exports)))
+                                   self._pool, self._reattach_local, GpuReads.open(gpu_exports),
+                                   verify=self._verify_pool))
         self.stores = StoreQueue(spec, local, self.counts) if local is not None else None
         self._scratch: torch.Tensor | None = None
         self._seen: dict[bytes, tuple[bool, float]] = {}  # chunk hash -> (cached, when) as a recent lookup saw it

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,6 +65,16 @@ class Env:
     pool: Executor  # threads for the blocking receives of `tcp` runs
     on_stale_slab: Callable[[], None] = lambda: None  # the local node's slab moved (it restarted)
     gpu: GpuReads | None = None  # this node's GPU tier mapped here, or None
+    verify: Executor | None = None  # threads that check slab chunks while the next ones are copied
+
+
+def _check(pool: Executor | None, view) -> Future:
+    """The checksum of `view`, on `pool`'s threads (inline where there is none)."""
+    if pool is not None:
+        return pool.submit(checksum, view)
+    done: Future = Future()
+    done.set_result(checksum(view))
+    return done
 
 
 def _error_of(e: BaseException) -> str:
@@ -135,23 +145,36 @@ class PinnedTransfer(Transfer):
             key = run.keys[j]
             sink.adopt_device(run.start + j, src, row.checksum, lambda k=key: local.report_corrupt([k]))
             self._adopted = True
-        for j0, row in enumerate(p.chunks):
-            j = g + j0
-            if row.nbytes != cb:
-                return Landed(j, "not_held")
-            i = run.start + j
-            view = env.slab.view(row.slot * env.slot_bytes, cb)
-            key = run.keys[j]
-            if sink.adopt(i, view, row.checksum, lambda k=key: local.report_corrupt([k]), row.devsum):
-                self._adopted = True
-                continue
-            sink.put(i, view)
-            if checksum(view) != row.checksum:  # after the copy: catches a slot overwritten under us, too
-                local.report_corrupt([key])
+        checks: list = []  # (j, key, checksum wanted, its check) of the chunks copied so far, in order
+        try:
+            for j0, row in enumerate(p.chunks):
+                j = g + j0
+                if row.nbytes != cb:
+                    return self._settle(checks, Landed(j, "not_held"))
+                i = run.start + j
+                view = env.slab.view(row.slot * env.slot_bytes, cb)
+                key = run.keys[j]
+                if sink.adopt(i, view, row.checksum, lambda k=key: local.report_corrupt([k]), row.devsum):
+                    self._adopted = True
+                    continue
+                sink.put(i, view)
+                # checked after the copy (catches a slot overwritten under us, too), on the verify threads while
+                # the next chunks are copied; committed in order once its check is in (`_settle`)
+                checks.append((j, key, row.checksum, _check(env.verify, view)))
+            n = g + len(p.chunks)
+            return self._settle(checks, Landed(n, "" if n == len(run.keys) else "not_held", device=g))
+        finally:
+            wait([c[3] for c in checks])  # no check reads the slab once the run is released (unpinned)
+
+    def _settle(self, checks: list, landed: Landed) -> Landed:
+        """`landed`, once the checks of the chunks copied before it ended are in: the first chunk that failed its
+        checksum ends the run there instead (and is reported to the node); those before it are committed."""
+        for j, key, want, check in checks:
+            if check.result() != want:
+                self._local.report_corrupt([key])
                 return Landed(j, "checksum", corrupt=True)
-            sink.commit(i, row.checksum)
-        n = g + len(p.chunks)
-        return Landed(n, "" if n == len(run.keys) else "not_held", device=g)
+            self.sink.commit(self.run.start + j, want)
+        return landed
 
     def release(self) -> None:
         if self._released:

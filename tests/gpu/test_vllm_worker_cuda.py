@@ -216,11 +216,11 @@ def test_a_synchronous_load_lets_layer_i_wait_for_layer_i_alone():
     real_write = w2.loader._write
     gate = threading.Event()
 
-    def slow_write(ld, layers):
+    def slow_write(ld, layers, **kw):
         if layers.start >= 1:
             gate.wait(10)  # layers 1.. are written only once the test has checked layer 0
         torch.cuda._sleep(int(1e8))  # the loader's stream is slow: its writes land well after they are queued
-        real_write(ld, layers)
+        real_write(ld, layers, **kw)
     w2.loader._write = slow_write
     try:
         compute = torch.cuda.Stream()  # the forward pass's stream, not the loader thread's
@@ -333,9 +333,9 @@ def test_a_chunk_that_fails_its_checksum_in_the_slab_is_never_used(node, sync):
     # recomputes them before reading any block of the load); sync: the forward reads each layer at once, so only
     # chunks whose checks passed are written
     make, block = LAYOUTS["flash_attn_2_NB_BS_H_D"]
-    g = torch.Generator().manual_seed(40)
+    g = torch.Generator().manual_seed(40 + sync)  # (each variant its own chunks: the node keeps the other's)
     src = make(g)
-    toks = tokens(3, seed=40)
+    toks = tokens(3, seed=40 + sync)
     save_ids, load_ids = torch.randperm(NB, generator=g)[:12].tolist(), torch.randperm(NB, generator=g)[:12].tolist()
     save_through(node, src, toks, save_ids)
     from kvmesh.client import connect_local

@@ -75,18 +75,23 @@ def d1(directory: str, total: int, chunk: int, repeat: int) -> dict:
     def fetch():  # the node's path (Cascade.run_reads)
         assert tier.read_verified(reads) == [READ_OK] * n
 
-    def fetch_inline():  # before: read_chunk, then its checksum, one chunk after the other on one thread
+    def fetch_inline():  # the node's path before: read_chunk into the slot, then its checksum, one after another
+        for i, r in enumerate(reads):
+            assert checksum(tier.read_chunk(r.slot, chunk, into=r.into)) == sums[i % 4]
+
+    def fetch_inline_one_buffer():  # what this bench timed before: the same, every chunk into one buffer
         for i, s in enumerate(slots):
             assert checksum(tier.read_chunk(s, chunk, into=into)) == sums[i % 4]
     ws = min(_timed(store) for _ in range(repeat))
     # dd, the fetch and the inline fetch alternately: the ratio of each round's neighbours cancels the load of a
     # shared machine drifting between them
     fetch()
-    raw_s, fetch_s, inline_s = [], [], []
+    raw_s, fetch_s, inline_s, one_s = [], [], [], []
     for _ in range(max(5, 3 * repeat)):
         raw_s.append(dd([f"if={raw}", "of=/dev/null", f"bs={chunk}", "iflag=direct"]))
         fetch_s.append(_timed(fetch))
         inline_s.append(_timed(fetch_inline))
+        one_s.append(_timed(fetch_inline_one_buffer))
     os.unlink(raw)
     r, rs = min(raw_s), min(fetch_s)
     direct = tier.direct_io
@@ -100,11 +105,15 @@ def d1(directory: str, total: int, chunk: int, repeat: int) -> dict:
             "fetch_over_dd_paired": statistics.median(a / b for a, b in zip(raw_s, fetch_s)),
             "fetch_inline_over_dd_paired": statistics.median(a / b for a, b in zip(raw_s, inline_s)),
             "fetch_inline_gbps": n * chunk / min(inline_s) / 1e9,
+            "fetch_inline_one_buffer_over_dd_paired": statistics.median(a / b for a, b in zip(raw_s, one_s)),
             "raw_read_ms": [round(x * 1e3, 1) for x in raw_s], "fetch_ms": [round(x * 1e3, 1) for x in fetch_s],
             "fetch_inline_ms": [round(x * 1e3, 1) for x in inline_s],
+            "fetch_inline_one_buffer_ms": [round(x * 1e3, 1) for x in one_s],
             "note": "fetch: DiskTier.read_verified (the node's read path), each chunk into its own slot of a "
                     "CPU tier slab (/dev/shm); "
-                    "fetch_inline: the path before (read_chunk then checksum, serially); ratio_*: best times; "
+                    "fetch_inline: the node's path before (read_chunk into the slot, then checksum, serially); "
+                    "fetch_inline_one_buffer: what D1 timed before (the same into one reused buffer: no slot's "
+                    "pages to fill, like dd's); ratio_*: best times; "
                     "*_paired: median of the ratios of alternate runs (the headline)"}
 
 

@@ -5,6 +5,7 @@ is handed on its I/O threads, and turns `changes` into directory updates.
     holds(key) / best_tier(key)             which tier has a chunk (the directory shows the best one)
     prepare(key, group, nbytes[, protect])  reserve a slot in the top tier; its victims are demoted, not dropped
     complete(ticket, checksum)              the chunk becomes readable (and, write_through, queued for disk)
+    complete_device(ticket, device_sum)     a GPU-tier chunk written by a same-node GPU becomes readable
     prepare_host(keys) -> (n, reads)        phase 1 of a read: the leading n keys can be served from the CPU slab;
                                             `reads` are disk chunks to bring up first (CPU slots reserved)
     finish_host(keys, n, reads, ok) -> [slot]   phase 2: pins the leading run that made it into the CPU slab
@@ -131,6 +132,13 @@ class Cascade:
         self.changes[(rec.group, rec.key)] = tier.tier_id
         if tier is self.cpu:
             self._write_through(ticket.slot)
+
+    def complete_device(self, ticket: StoreTicket, device_sum: int) -> None:
+        """A chunk a same-node writer copied device to device into a GPU-tier slot `prepare` reserved."""
+        assert self.gpu is not None  # (prepare reserved the slot in it)
+        self.gpu.complete_device_store(ticket, device_sum)
+        rec = self.gpu.record(ticket.slot)
+        self.changes[(rec.group, rec.key)] = self.gpu.tier_id
 
     def abort(self, ticket: StoreTicket) -> None:
         self.top.abort_store(ticket)

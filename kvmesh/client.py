@@ -99,7 +99,9 @@ class KVMeshClient:
                                    local_slab[2] if local_slab else 0, self._peer, self.view, self._data,
                                    self._pool, self._reattach_local, GpuReads.open(gpu_exports),
                                    verify=self._verify_pool))
-        self.stores = StoreQueue(spec, local, self.counts) if local is not None else None
+        # stores of GPU KV go device to device into the node's GPU tier through the pools mapped for reads
+        self.stores = (StoreQueue(spec, local, self.counts, gpu=lambda: self.fetcher.env.gpu)
+                       if local is not None else None)
         self._scratch: torch.Tensor | None = None
         self._seen: dict[bytes, tuple[bool, float]] = {}  # chunk hash -> (cached, when) as a recent lookup saw it
         self._samples: list = []  # (kind, source, seconds) for the latency histograms, drained by the exporter

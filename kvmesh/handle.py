@@ -16,6 +16,11 @@ A handle's calls, and whether they change the node:
     pull_through(PullThrough) -> Pending[Pinned]  mutates: pins the leading run here, first pulling from the holder
                                                 the chunks not here yet (readers of this node share one transfer)
     store(items, buf) -> Pending[int]           mutates: places chunks in the tiers and registers them
+    reserve_gpu(items) -> Pending[GpuReserved]  mutates: reserves GPU-tier slots for chunks a same-node writer
+                                                copies in device to device (evicting down the cascade for room)
+    commit_gpu(reservation_id, sums) -> Pending[int]   mutates: the written chunks become readable and are
+                                                registered (nil sum: released); a reservation never committed is
+                                                released after the node's pin TTL
     report_corrupt(keys)                        mutates: the node re-verifies the chunks and drops bad ones; not
                                                 waited for
     stats() -> dict, check_integrity(...), shutdown()
@@ -36,10 +41,11 @@ import msgpack
 import numpy as np
 
 from kvmesh.config import KVMeshConfig
-from kvmesh.wire import (NodeInfo, PinnedChunk, PullThrough, StoreItem, WireError, pack_chunk_header, pack_keys,
-                         pack_pin_reply, pack_pull_through, pack_store, unpack_chunk_header, unpack_keys,
-                         unpack_pin_reply, unpack_pin_request, unpack_pull_through, unpack_request,
-                         unpack_store)
+from kvmesh.wire import (GpuReserved, NodeInfo, PinnedChunk, PullThrough, StoreItem, WireError, pack_chunk_header,
+                         pack_gpu_commit, pack_gpu_reserve, pack_gpu_reserved, pack_keys, pack_pin_reply,
+                         pack_pull_through, pack_store, unpack_chunk_header, unpack_gpu_commit, unpack_gpu_reserve,
+                         unpack_gpu_reserved, unpack_keys, unpack_pin_reply, unpack_pin_request, unpack_pull_through,
+                         unpack_request, unpack_store)
 
 NAMESPACE = "kvmesh"
 ACTOR_PREFIX = "kvnode-"
@@ -265,6 +271,12 @@ class NodeHandle:
     def store(self, items: list[StoreItem], data: np.ndarray) -> Pending[int]:
         return self._call("store", _count, pack_store(items), data)
 
+    def reserve_gpu(self, items: list[StoreItem]) -> Pending[GpuReserved]:
+        return self._call("reserve_gpu", unpack_gpu_reserved, pack_gpu_reserve(items, self.requester))
+
+    def commit_gpu(self, reservation_id: int, sums: list[int | None]) -> Pending[int]:
+        return self._call("commit_gpu", _count, pack_gpu_commit(reservation_id, sums))
+
     def report_corrupt(self, keys: list[bytes]) -> None:
         self._call("report_corrupt", lambda r: r, pack_keys(keys))
 
@@ -304,6 +316,12 @@ class LocalHandle:
 
     def store(self, items: list[StoreItem], data: np.ndarray) -> Pending[int]:
         return Done.of(lambda: self._live().store(items, data))
+
+    def reserve_gpu(self, items: list[StoreItem]) -> Pending[GpuReserved]:
+        return Done.of(lambda: self._live().reserve_gpu(items, self.requester))
+
+    def commit_gpu(self, reservation_id: int, sums: list[int | None]) -> Pending[int]:
+        return Done.of(lambda: self._live().commit_gpu(reservation_id, sums))
 
     def report_corrupt(self, keys: list[bytes]) -> None:
         if not getattr(self.node, "_closed", False):
@@ -361,6 +379,13 @@ class KVNodeActor:
 
     def report_corrupt(self, request: bytes) -> int:
         return self.node.report_corrupt(unpack_keys(request, "PinRequest"))
+
+    def reserve_gpu(self, request: bytes) -> bytes:
+        items, requester = unpack_gpu_reserve(request)
+        return pack_gpu_reserved(self.node.reserve_gpu(items, requester))
+
+    def commit_gpu(self, request: bytes) -> int:
+        return self.node.commit_gpu(*unpack_gpu_commit(request))
 
     def stats(self) -> dict:
         return self.node.stats()

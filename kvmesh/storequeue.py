@@ -11,6 +11,13 @@
 Chunks on a GPU are copied out on a side stream into page-locked staging and handed over by a background thread
 once the copy is done: neither the caller nor its compute stream waits for the device-to-host copy, and
 `record_stream` keeps freed KV memory from being reused before the copy read it.
+
+Chunks on a GPU whose node's GPU pools this client maps (`gpu()`, a `GpuReads`) go device to device instead,
+from the background thread, ordered after an event recorded on the caller's stream at `submit` (the KV as
+computed so far): `reserve_gpu` (the node allocates GPU-tier slots), `gpu_ipc.write_chunks` on a side stream
+(same GPU: D2D; another GPU of the node with peer access: peer to peer), `commit_gpu` with the device sums of what
+landed (not waited for). Chunks without a slot (held, no room, no GPU tier), on a GPU that cannot reach the pool
+peer to peer, or whose reservation failed take the host path above; never an error for the caller.
 """
 
 from __future__ import annotations
@@ -26,17 +33,19 @@ import torch
 from kvmesh.handle import NodeCallError, Pending
 from kvmesh.spec import KVSpec
 from kvmesh.tiers import checksum
-from kvmesh.wire import StoreItem, WireError
+from kvmesh.wire import GpuReserved, StoreItem, WireError
 
 log = logging.getLogger("kvmesh.client")
 MAX_INFLIGHT = 16  # more pending stores than this and new ones are dropped (counted), never waited for
+RESERVE_TIMEOUT_S = 5.0  # a node that does not answer a GPU-tier reservation by then: the host path
 
 
 class StoreQueue:
-    def __init__(self, spec: KVSpec, node, counts: Counter) -> None:
+    def __init__(self, spec: KVSpec, node, counts: Counter, gpu=None) -> None:
         self.spec = spec
         self.node = node  # handle of the local KVNode (handle.NodeHandle / LocalHandle)
         self.counts = counts
+        self.gpu = gpu  # () -> the node's GPU pools as mapped here (dataplane.gpureads.GpuReads) or None
         self._lock = threading.Lock()  # _pending and _staging_jobs: the stager thread adds to them
         self._pending: list[Pending[int]] = []
         self._staged: queue.Queue = queue.Queue()  # stores being copied off a GPU, handed over by _stage_loop
@@ -55,24 +64,47 @@ class StoreQueue:
             self.counts["store_dropped_busy"] += 1
             return 0
         if chunks[0].is_cuda:
-            self._stage_from_device(group, keys, chunks)
+            gpu = self.gpu() if self.gpu is not None else None
+            if gpu is not None and any(_reaches(chunks[0].device, d) for d in gpu.devices):
+                self._queue(("d2d", group, keys, chunks, self._mark(chunks[0].device), gpu))
+            else:
+                self._stage_from_device(group, keys, chunks)
         else:
-            s = self.spec
-            staging = np.empty(len(keys) * s.chunk_bytes, dtype=np.uint8)
-            st = torch.from_numpy(staging).view(s.torch_dtype).view(len(keys), *s.chunk_shape)
-            for j, chunk in enumerate(chunks):
-                st[j].copy_(chunk)
-            self._send(group, keys, staging)
+            self._send_host(group, keys, chunks)
         self.counts["stored_chunks"] += len(keys)
         return len(keys)
 
-    def _stage_from_device(self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor]) -> None:
-        s = self.spec
-        device = chunks[0].device
+    def _side(self, device: torch.device):
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))  # the KV as computed so far, nothing later
+        return stream
+
+    @staticmethod
+    def _mark(device: torch.device) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device))  # the KV as computed so far, nothing later
+        return ev
+
+    def _queue(self, job: tuple) -> None:
+        with self._lock:
+            self._staging_jobs += 1
+            if self._stager is None:
+                self._stager = threading.Thread(target=self._stage_loop, name="kvmesh-client-stores", daemon=True)
+                self._stager.start()
+        self._staged.put(job)
+
+    def _stage_from_device(self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor],
+                           after: torch.cuda.Event | None = None) -> tuple:
+        """Queue the device-to-host copy into page-locked staging (after `after`, else after the current stream's
+        work) and hand the job to the background thread; with `after` (already on that thread) return it."""
+        s = self.spec
+        device = chunks[0].device
+        stream = self._side(device)
+        if after is None:
+            stream.wait_stream(torch.cuda.current_stream(device))  # the KV as computed so far, nothing later
+        else:
+            stream.wait_event(after)
         staging = torch.empty(len(keys) * s.chunk_bytes, dtype=torch.uint8, pin_memory=True)
         st = staging.view(s.torch_dtype).view(len(keys), *s.chunk_shape)
         with torch.cuda.stream(stream):
@@ -81,12 +113,93 @@ class StoreQueue:
                 chunk.record_stream(stream)  # its memory is not reused (the engine may free it) before the copy
             done = torch.cuda.Event()
             done.record(stream)
-        with self._lock:
-            self._staging_jobs += 1
-            if self._stager is None:
-                self._stager = threading.Thread(target=self._stage_loop, name="kvmesh-client-stores", daemon=True)
-                self._stager.start()
-        self._staged.put((group, keys, staging, done))
+        job = ("host", group, keys, staging, done)
+        if after is None:
+            self._queue(job)
+        return job
+
+    def _store_d2d(self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor], ready, gpu) -> None:
+        """(the background thread) Device to device into the GPU tier; what did not go that way, through the host."""
+        rest = self.write_to_gpu_tier(group, keys, chunks, ready, gpu)
+        if rest:
+            sub = [chunks[i] for i in rest]
+            if sub[0].is_cuda:
+                _, g, k, staging, done = self._stage_from_device(group, [keys[i] for i in rest], sub, ready)
+                done.synchronize()
+                self._send(g, k, staging.numpy())
+            else:
+                self._send_host(group, [keys[i] for i in rest], sub)
+
+    def write_to_gpu_tier(self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor], ready, gpu) -> list[int]:
+        """Reserve GPU-tier slots, write the chunks into them through `gpu` (the mapped pools; `ready`: the event
+        the copies wait for, None on the CPU), commit them (not waited for). Returns the indices of the chunks
+        that did not go this way (for the host path)."""
+        cb = self.spec.chunk_bytes
+        try:
+            r: GpuReserved = self.node.reserve_gpu([StoreItem(group, k, cb, 0) for k in keys]).result(
+                RESERVE_TIMEOUT_S)
+        except (NodeCallError, TimeoutError, WireError) as e:
+            self.counts["store_d2d_unavailable"] += 1
+            log.debug("kvmesh: no GPU-tier reservation (%s): the host path", e)
+            return list(range(len(keys)))
+        sums: list[int | None] = [None] * len(keys)
+        reserved = any(s is not None for s in r.slots)
+        if not reserved:
+            pass  # held already, no room, no GPU tier: the host path
+        elif len(r.slots) != len(keys) or r.slab_path != gpu.incarnation:  # slots of pools we have not mapped
+            self.counts["store_d2d_stale"] += 1
+        else:
+            by_dev: dict = {}
+            for i, slot in enumerate(r.slots):
+                if slot is not None:
+                    by_dev.setdefault(gpu.view(slot, cb).device, []).append(i)
+            for dev, idxs in by_dev.items():
+                if not _reaches(chunks[0].device, dev):
+                    continue
+                try:
+                    got = self._write(chunks, idxs, [gpu.view(r.slots[i], cb) for i in idxs], ready, dev)
+                except (RuntimeError, ValueError) as e:  # (GpuIpcError is one): released, the host path
+                    self.counts["store_d2d_failed"] += 1
+                    log.warning("kvmesh: a device-to-device store failed (%s): the host path", e)
+                    continue
+                for i, v in zip(idxs, got):
+                    sums[i] = v
+        written = [i for i, v in enumerate(sums) if v is not None]
+        if reserved:  # (unwritten slots, None, are released by it)
+            pending = self.node.commit_gpu(r.reservation_id, sums)
+            with self._lock:
+                self._pending.append(pending)
+        self.counts["stored_chunks_d2d"] += len(written)
+        self.counts["store_d2d_fallback"] += len(keys) - len(written)
+        return [i for i in range(len(keys)) if sums[i] is None]
+
+    def _write(self, chunks: list[torch.Tensor], idxs: list[int], dsts: list[torch.Tensor], ready, dev) -> list[int]:
+        """chunks[idxs] -> dsts (slot views on `dev`) with `gpu_ipc.write_chunks`; their device sums (waits)."""
+        from kvmesh.tiers.gpu_ipc import write_chunks
+
+        src_dev = chunks[0].device
+        if not src_dev.type == "cuda":
+            return write_chunks([_flat_bytes(chunks[i]) for i in idxs], dsts).sums()
+        side = self._side(src_dev)
+        if ready is not None:
+            side.wait_event(ready)
+        with torch.cuda.stream(side):  # a strided chunk is made contiguous on the side stream, after `ready`
+            srcs = [_flat_bytes(chunks[i]) for i in idxs]
+            for i in idxs:
+                chunks[i].record_stream(side)
+        stream = side if dev == src_dev else self._side(dev)
+        if stream is not side:
+            stream.wait_stream(side)
+        # (the caller's references to chunks and srcs live until the sums are in: the copies read live memory)
+        return write_chunks(srcs, dsts, peer=True, stream=stream).sums()
+
+    def _send_host(self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor]) -> None:
+        s = self.spec
+        staging = np.empty(len(keys) * s.chunk_bytes, dtype=np.uint8)
+        st = torch.from_numpy(staging).view(s.torch_dtype).view(len(keys), *s.chunk_shape)
+        for j, chunk in enumerate(chunks):
+            st[j].copy_(chunk)
+        self._send(group, keys, staging)
 
     def _stage_loop(self) -> None:
         while True:
@@ -94,9 +207,12 @@ class StoreQueue:
             try:
                 if job is None:
                     return
-                group, keys, staging, done = job
-                done.synchronize()
-                self._send(group, keys, staging.numpy())
+                if job[0] == "d2d":
+                    self._store_d2d(*job[1:])
+                else:
+                    _, group, keys, staging, done = job
+                    done.synchronize()
+                    self._send(group, keys, staging.numpy())
             except Exception as e:  # a store is best effort: count it, never raise into the engine
                 self.counts["store_failures"] += 1
                 log.warning("kvmesh: handing a store to the node failed: %s", e)
@@ -130,3 +246,17 @@ class StoreQueue:
         if self._stager is not None:
             self._staged.put(None)
             self._stager.join(timeout=10)
+
+
+def _reaches(src: torch.device, dst: torch.device) -> bool:
+    """Whether a copy from `src` into a pool on `dst` goes device to device: the same GPU, or a peer it can
+    access (else the host path: a bounce through host memory would gain nothing over it). On the CPU (a GPU
+    tier's CPU stand-in, in tests) only the same device."""
+    if src.type != "cuda" or dst.type != "cuda":
+        return src == dst
+    return src == dst or torch.cuda.can_device_access_peer(src.index, dst.index)
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A chunk's bytes as one contiguous uint8 vector (a copy, on the current stream, if it is strided)."""
+    return t.contiguous().view(-1).view(torch.uint8)

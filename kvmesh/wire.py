@@ -18,6 +18,13 @@ travel beside the header as one contiguous uint8 buffer, chunks back to back in 
     StoreRequest  [1, [[group, key, nbytes, checksum], ...]] + buffer
     PullThrough   [1, [key, ...], group, nbytes, holder node id, transport, deadline_ms, holder incarnation]
                   a reader asks its own node to bring the chunks from the holder (replied with a PinReply)
+    GpuReserve    [1, [[group, key, nbytes], ...], requester node id]
+                  a same-node writer that maps the node's GPU pools asks for GPU-tier slots for new chunks
+    GpuReserved   [1, reservation_id, [slot or nil, ...], slab_path]   one per chunk asked for; nil: none (held
+                  already, too big, or no room: the writer stores it through the host path); slab_path names the
+                  node incarnation whose pools the slots index
+    GpuCommit     [1, reservation_id, [device sum (u64) or nil, ...]]  one per chunk asked for (nil: not written,
+                  the slot is released); replied with the number of chunks that became readable
 """
 
 from __future__ import annotations
@@ -261,3 +268,59 @@ def unpack_pull_through(data) -> PullThrough:
                         f"and deadline_ms at most {MAX_DEADLINE_MS}")
     inc = o[7] if len(o) > 7 and isinstance(o[7], int) and not isinstance(o[7], bool) and o[7] >= 0 else 0
     return PullThrough(keys, group, nbytes, holder, transport, deadline_ms, inc)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReserved:
+    """GPU-tier slots reserved for a same-node writer until `commit` (or the node's TTL releases them)."""
+
+    reservation_id: int
+    slots: list[int | None]  # per chunk asked for: its slot, or None (the writer takes the host path for it)
+    slab_path: str  # the incarnation the slots belong to (the writer's pool exports must name the same)
+
+
+def pack_gpu_reserve(items: Sequence[StoreItem], requester: str = "") -> bytes:
+    """GpuReserve: (group, key, nbytes) of each item; its checksum is not sent (the writer's device sum is)."""
+    return msgpack.packb([VERSION, [[i.group, i.key, i.nbytes] for i in items], requester], use_bin_type=True)
+
+
+def unpack_gpu_reserve(data) -> tuple[list[StoreItem], str]:
+    what = "GpuReserve"
+    o = _unpack(data, what)
+    out = []
+    for r in _rows(_field(o, 1, list, what), 3, what):
+        g, k, n = r[:3]
+        if not (isinstance(g, bytes) and len(g) == HASH_BYTES and isinstance(k, bytes) and len(k) == HASH_BYTES
+                and isinstance(n, int) and not isinstance(n, bool) and n > 0):
+            raise WireError(f"{what}: group and key must be {HASH_BYTES} bytes and nbytes a positive int")
+        out.append(StoreItem(g, k, n, 0))
+    requester = o[2] if len(o) > 2 and isinstance(o[2], str) else ""
+    return out, requester[:128]
+
+
+def pack_gpu_reserved(r: GpuReserved) -> bytes:
+    return msgpack.packb([VERSION, r.reservation_id, list(r.slots), r.slab_path], use_bin_type=True)
+
+
+def unpack_gpu_reserved(data) -> GpuReserved:
+    what = "GpuReserved"
+    o = _unpack(data, what)
+    slots = _field(o, 2, list, what)
+    if len(slots) > MAX_KEYS or not all(s is None or (isinstance(s, int) and not isinstance(s, bool) and s >= 0)
+                                        for s in slots):
+        raise WireError(f"{what}: slots must be non-negative ints or nil")
+    return GpuReserved(_field(o, 1, int, what), slots, _field(o, 3, str, what))
+
+
+def pack_gpu_commit(reservation_id: int, sums: Sequence[int | None]) -> bytes:
+    return msgpack.packb([VERSION, reservation_id, [None if s is None else s & U64 for s in sums]])
+
+
+def unpack_gpu_commit(data) -> tuple[int, list[int | None]]:
+    what = "GpuCommit"
+    o = _unpack(data, what)
+    sums = _field(o, 2, list, what)
+    if len(sums) > MAX_KEYS or not all(
+            x is None or (isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= U64) for x in sums):
+        raise WireError(f"{what}: device sums must be u64 or nil")
+    return _field(o, 1, int, what), [None if x is None else _int64(x) for x in sums]

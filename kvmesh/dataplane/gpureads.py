@@ -4,8 +4,10 @@
     GpuReads.open(exports) -> GpuReads | None   maps every pool the node exported; None (and a log line) where that
                                                 is impossible here (no CUDA, IPC not permitted, a GPU this process
                                                 cannot see): the chunks then come through the slab, as before
-    view(slot, nbytes) -> Tensor                a uint8 view of a pinned slot, on the pool's device (raises
-                                                GpuIpcError if the pool is gone)
+    view(slot, nbytes) -> Tensor                a uint8 view of a pinned (or reserved) slot, on the pool's
+                                                device (raises GpuIpcError if the pool is gone)
+    devices / incarnation                       the GPUs the pools are on; the node incarnation that exported
+                                                them (a GpuReserved reply naming another one is not written into)
     close()
 """
 
@@ -48,6 +50,14 @@ class GpuReads:
                 return None
         except ImportError:
             return None
+
+    @property
+    def devices(self) -> set:
+        return {p.device for p in self._pools.values()}
+
+    @property
+    def incarnation(self) -> str:
+        return self.exports[0].incarnation
 
     def view(self, slot: int, nbytes: int):
         from kvmesh.tiers.gpu_ipc import export_for

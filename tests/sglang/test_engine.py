@@ -19,6 +19,7 @@ import threading
 import pytest
 
 from tests.conftest import reachable, wait_until
+from tests.golden import check_golden
 from tests.sglang.conftest import SHIMS
 
 # the first test of the module also waits for its engines to start (minutes on a busy 2-core machine), and
@@ -180,7 +181,6 @@ def test_the_pinned_engine_gives_the_golden_page_keys_and_reused_output(sgl_clus
     # An SGLang upgrade that changes the page keys kvmesh stores under (SGLang's page hashing, this backend's
     # format) or the KV it reuses (the greedy output after a reload from kvmesh) fails here instead of serving
     # wrong KV. To accept a new version after checking it: KVMESH_RECORD_GOLDEN=1 make test-sglang ARGS="-k golden"
-    import json
     from importlib.metadata import version
 
     import kvmesh
@@ -207,14 +207,7 @@ def test_the_pinned_engine_gives_the_golden_page_keys_and_reused_output(sgl_clus
     got = {"namespace": spec.namespace.hex(), "kv_format": list(spec.kv_format.encode()),
            "page_keys": [k.hex() for k in keys], "reused_output": again["ids"]}
     key = f"sglang=={version('sglang')} {spec.kv_format.layout}"
-    goldens = json.load(open(GOLDEN)) if os.path.exists(GOLDEN) else {}
-    if os.environ.get("KVMESH_RECORD_GOLDEN") == "1":
-        goldens[key] = got
-        with open(GOLDEN, "w") as f:
-            json.dump(goldens, f, indent=1, sort_keys=True)
-            f.write("\n")
-    assert key in goldens, f"no golden for {key!r} (recorded: {sorted(goldens)}); check this engine, then record"
-    assert got == goldens[key]
+    check_golden(GOLDEN, key, got)
 
 
 def test_a_killed_holder_node_makes_the_other_engine_recompute_with_identical_output(sgl_cluster, engines):

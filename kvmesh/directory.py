@@ -8,6 +8,9 @@ Key layout (`P` is the configured key prefix):
     P:{n}:deadline         hash     node_id -> lease deadline, ms on Redis's own clock
     P:{n}:info             hash     node_id -> msgpack NodeInfo (wire.py)
     P:{n}:claim:<job>      string   short leases on jobs one node should do: the janitor round, one purge
+    P:{n}:load             hash     replica id -> msgpack [1, node_id, pending prefill tokens, queue depth]: the
+                                    load each serving replica last reported (`report_load`)
+    P:{n}:load_at          hash     replica id -> when it reported, ms on Redis's own clock (the leases' clock)
     P:g:{<h1 hex>}         hash     chunk hash, first 6 bytes -> 0x02 then (inc u32 LE, tier u8) per holder
     P:o:<inc>              set      the groups incarnation <inc> has entries in: its purge reads only these (a
                                     group leaves it when the node's last chunk of that group does)
@@ -39,6 +42,11 @@ Primitives:
     lookup(group, hashes, table) -> (holders, why)    read, one round trip: the longest live prefix
     holders(group, hashes, table) -> [holders]       read, one round trip: every chunk's live holders
     lookup_raw(group, hashes) -> list[bytes | None]  read, one round trip
+    report_load(replica_id, node_id, pending, depth, keep_ms)   mutates: a replica's load, stamped with Redis's
+                                                     clock; drops reports older than keep_ms
+    lookup_with_loads(group, hashes, table) -> (holders, why, loads)   read, one round trip (pipelined; in Redis
+                                                     Cluster both servers are asked before either answer is read):
+                                                     `lookup` and every replica's last load report
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ import threading
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+import msgpack
 import numpy as np
 import redis
 from redis.backoff import NoBackoff
@@ -185,6 +194,26 @@ return n
 """
 
 
+# KEYS[1] load, KEYS[2] load_at; ARGV: replica id, packed load, keep_ms. Stamps the report with Redis's clock (what
+# readers judge its age by, as they judge leases) and drops reports older than keep_ms: replicas that went away.
+_REPORT_LOAD = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[1], now)
+local at = redis.call('HGETALL', KEYS[2])
+for i = 1, #at, 2 do
+  if now - tonumber(at[i + 1]) > tonumber(ARGV[3]) then
+    redis.call('HDEL', KEYS[1], at[i])
+    redis.call('HDEL', KEYS[2], at[i])
+  end
+end
+return now
+"""
+
+LOAD_VERSION = 1  # a load value's first element
+
+
 # The node table and Redis's clock in one round trip, on the node keys' one slot (a pipeline's TIME would have no
 # slot in Redis Cluster). A missing epoch reads as '' (a nil would end the Lua array).
 _NODE_TABLE = """
@@ -211,6 +240,17 @@ class Holder:
     node_id: str
     incarnation: int
     tier: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRecord:
+    """What one serving replica last reported of its load (`Directory.report_load`)."""
+
+    replica_id: str
+    node_id: str  # the Ray node the replica runs on
+    pending_prefill_tokens: int  # prompt tokens queued or being prefilled there
+    queue_depth: int  # requests queued or running there
+    at_ms: int  # when it was reported, ms on Redis's clock (NodeTable.now_ms is the same clock)
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +373,8 @@ class Directory:
         self._unregister = self._redis.register_script(_UNREGISTER)
         self._node_table = self._redis.register_script(_NODE_TABLE)
         self._expire = self._redis.register_script(_EXPIRE)
+        self._k_load, self._k_load_at = f"{n}:load", f"{n}:load_at"
+        self._report_load = self._redis.register_script(_REPORT_LOAD)
         self._owned: dict[int, set[bytes]] = {}  # incarnation -> groups already in its own index
         self._own_lock = threading.Lock()
         self._holders_cache: dict[bytes, tuple[tuple[int, int], ...]] = {}
@@ -587,6 +629,65 @@ class Directory:
                 break
             out.extend([row] * len(list(run)))
         return out, why
+
+    # -- load reports: where serving replicas stand (kvmesh.routing) ----------------------------------------------
+    def report_load(self, replica_id: str, node_id: str, pending_prefill_tokens: int, queue_depth: int,
+                    keep_ms: int) -> int:
+        """Record a replica's load, stamped with Redis's clock (returned, ms); reports older than `keep_ms` go."""
+        value = msgpack.packb([LOAD_VERSION, node_id, int(pending_prefill_tokens), int(queue_depth)])
+        return int(self._report_load(keys=[self._k_load, self._k_load_at], args=[replica_id, value, keep_ms]))
+
+    def lookup_with_loads(self, group: bytes, hashes: list[bytes], table: NodeTable, prefer: str | None = None
+                          ) -> tuple[list[tuple[Holder, ...]], str | None, list[LoadRecord]]:
+        """`lookup` and every replica's last load report in one round trip: the HMGET and the two HGETALLs go out
+        together on this thread's connections (one in plain Redis; in Redis Cluster the group's server and the
+        node keys' server are both sent to before either answer is read)."""
+        gkey = self.group_key(group)
+        conn_g = self._thread_connection(gkey) if hashes else None
+        conn_n = self._thread_connection(self._k_load)
+        loads_cmd = conn_n.pack_commands([("HGETALL", self._k_load), ("HGETALL", self._k_load_at)])
+        try:
+            if conn_g is None or conn_g is conn_n:
+                conn_n.send_packed_command(([pack_hmget(gkey, hashes)] if hashes else []) + loads_cmd,
+                                           check_health=False)
+                values = conn_n.read_response() if hashes else []
+            else:
+                conn_g.send_packed_command([pack_hmget(gkey, hashes)], check_health=False)
+                conn_n.send_packed_command(loads_cmd, check_health=False)
+                values = conn_g.read_response()
+            raw, at = conn_n.read_response(), conn_n.read_response()
+        except redis.exceptions.ResponseError as e:
+            for c in (conn_g, conn_n):
+                if c is not None:
+                    c.disconnect()  # answers of the other commands may still be queued on it
+            if self.cluster and str(e).startswith(("MOVED", "ASK")):
+                self._redis.nodes_manager.initialize()
+                raise redis.exceptions.ConnectionError(f"cluster slot moved: {e}") from e
+            raise
+        except BaseException:
+            for c in (conn_g, conn_n):
+                if c is not None:
+                    c.disconnect()  # reconnects on the next command
+            raise
+        holders, why = self.longest_prefix_why(values, table, prefer)
+        return holders, why, self._loads(raw, at)
+
+    @staticmethod
+    def _loads(raw, at) -> list[LoadRecord]:
+        """Load records from the two hashes' HGETALL replies (flat lists in RESP2, maps in RESP3); a value this
+        version cannot read is no record."""
+        raw = raw if isinstance(raw, dict) else _pairs(raw)
+        at = at if isinstance(at, dict) else _pairs(at)
+        out = []
+        for rid, value in raw.items():
+            try:
+                version, node_id, pending, depth = msgpack.unpackb(value)[:4]
+                stamp = int(at[rid])
+            except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+                continue
+            if version == LOAD_VERSION:
+                out.append(LoadRecord(rid.decode(errors="replace"), str(node_id), int(pending), int(depth), stamp))
+        return out
 
     # -- spec registry: which specs of a model exist, so a miss can say "spec mismatch" -------------------------
     def register_spec(self, model_id: str, canonical: bytes) -> None:

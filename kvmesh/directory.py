@@ -5,8 +5,11 @@ Key layout (`P` is the configured key prefix):
     P:{n}:epoch            string   random id of this directory's lifetime; a Redis that restarted empty has none
     P:{n}:counter          string   INCR source of node incarnations, seeded from Redis's clock (ms)
     P:{n}:inc              hash     node_id -> current incarnation
-    P:{n}:deadline         hash     node_id -> lease deadline, ms on Redis's own clock
+    P:{n}:lease            zset     node_id scored by its lease deadline, ms on Redis's own clock
     P:{n}:info             hash     node_id -> msgpack NodeInfo (wire.py)
+    P:{n}:ver              string   the membership version: INCR by every join and leave (`inc` and `info` change
+                                    only then), so a reader whose table has this version reads only the leases
+                                    that lapse soon (`node_table`)
     P:{n}:claim:<job>      string   short leases on jobs one node should do: the janitor round, one purge
     P:{n}:load             hash     replica id -> msgpack [1, node_id, pending prefill tokens, queue depth]: the
                                     load each serving replica last reported (`report_load`)
@@ -38,7 +41,10 @@ Primitives:
     expire(node_id, inc)                             mutates: ends a lease now (Ray reported the node dead)
     purge(inc) -> entries dropped                    mutates: every entry of a dead incarnation, via its own index
     entries_of(inc) -> {(group, field): tier}        read: an incarnation's entries, via its own index
-    node_table() -> NodeTable                        read, one round trip
+    node_table() -> NodeTable                        read, one round trip: the whole table only when the
+                                                     membership version moved since this Directory's last read;
+                                                     else the version and the leases that lapse within
+                                                     `table_horizon_ms` (O(log n) and a few bytes at any size)
     lookup(group, hashes, table) -> (holders, why)    read, one round trip: the longest live prefix
     holders(group, hashes, table) -> [holders]       read, one round trip: every chunk's live holders
     lookup_raw(group, hashes) -> list[bytes | None]  read, one round trip
@@ -86,15 +92,16 @@ if tonumber(redis.call('GET', KEYS[2])) < tonumber(ARGV[5]) then redis.call('SET
 local inc = redis.call('INCR', KEYS[2])
 local prev = redis.call('HGET', KEYS[3], ARGV[1]) or '0'
 redis.call('HSET', KEYS[3], ARGV[1], inc)
-redis.call('HSET', KEYS[4], ARGV[1], now + tonumber(ARGV[3]))
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[3]), ARGV[1])
 redis.call('HSET', KEYS[5], ARGV[1], ARGV[4])
+redis.call('INCR', KEYS[6])
 return {epoch, inc, prev}
 """
 
 # Ray (or an operator) says the node is gone: end its lease now rather than when it lapses.
 _EXPIRE = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
-  redis.call('HSET', KEYS[2], ARGV[1], 0)
+  redis.call('ZADD', KEYS[2], 0, ARGV[1])
   return 1
 end
 return 0
@@ -145,15 +152,16 @@ local cur = redis.call('HGET', KEYS[2], ARGV[1])
 if not cur then return 'resync' end
 if cur ~= ARGV[2] then return 'fenced' end
 local t = redis.call('TIME')
-redis.call('HSET', KEYS[3], ARGV[1], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[4]))
+redis.call('ZADD', KEYS[3], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[4]), ARGV[1])
 return 'ok'
 """
 
 _LEAVE = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
   redis.call('HDEL', KEYS[1], ARGV[1])
-  redis.call('HDEL', KEYS[2], ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('HDEL', KEYS[3], ARGV[1])
+  redis.call('INCR', KEYS[4])
   return 1
 end
 return 0
@@ -215,11 +223,22 @@ LOAD_VERSION = 1  # a load value's first element
 
 
 # The node table and Redis's clock in one round trip, on the node keys' one slot (a pipeline's TIME would have no
-# slot in Redis Cluster). A missing epoch reads as '' (a nil would end the Lua array).
+# slot in Redis Cluster). A missing epoch reads as '' (a nil would end the Lua array). ARGV: the membership version
+# and epoch the reader already has the rows of, and its horizon (ms). Rows (`inc`, `info`) and every lease are read
+# only when the version or the epoch moved; otherwise only the leases that lapse before now + horizon, i.e. nodes
+# dead or about to be (none, in a healthy cluster): a reader then holds every other lease live until that horizon.
+# The last element says which it is (1: whole table).
 _NODE_TABLE = """
 local t = redis.call('TIME')
-return {t[1], t[2], redis.call('GET', KEYS[1]) or '', redis.call('HGETALL', KEYS[2]),
-        redis.call('HGETALL', KEYS[3]), redis.call('HGETALL', KEYS[4])}
+local epoch = redis.call('GET', KEYS[1]) or ''
+local ver = redis.call('GET', KEYS[5]) or '0'
+if ver ~= ARGV[1] or epoch ~= ARGV[2] then
+  return {t[1], t[2], epoch, ver, redis.call('HGETALL', KEYS[2]), redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES'),
+          redis.call('HGETALL', KEYS[4]), 1}
+end
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+return {t[1], t[2], epoch, ver, {}, redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now + tonumber(ARGV[3])),
+        'WITHSCORES'), {}, 0}
 """
 
 
@@ -365,7 +384,12 @@ class Directory:
         self.cluster = not isinstance(self._redis, redis.Redis)
         n = f"{prefix}:{{n}}"
         self._k_epoch, self._k_counter = f"{n}:epoch", f"{n}:counter"
-        self._k_inc, self._k_deadline, self._k_info = f"{n}:inc", f"{n}:deadline", f"{n}:info"
+        self._k_inc, self._k_deadline, self._k_info = f"{n}:inc", f"{n}:lease", f"{n}:info"
+        self._k_ver = f"{n}:ver"
+        # node_table's rows as of membership version `_table_ver` of epoch `_table_epoch`: node id -> (inc, info)
+        self._table_lock = threading.Lock()
+        self._table_ver, self._table_epoch, self._rows = b"", b"", {}
+        self.table_horizon_ms = 3000  # node_table: leases further off than this are read only on a membership change
         self._join = self._redis.register_script(_JOIN)
         self._heartbeat = self._redis.register_script(_HEARTBEAT)
         self._leave = self._redis.register_script(_LEAVE)
@@ -388,7 +412,7 @@ class Directory:
     # -- nodes --------------------------------------------------------------------------------------------------
     def join(self, info: NodeInfo, lease_ms: int, last_incarnation: int = 0) -> Lease:
         epoch, inc, prev = self._join(
-            keys=[self._k_epoch, self._k_counter, self._k_inc, self._k_deadline, self._k_info],
+            keys=[self._k_epoch, self._k_counter, self._k_inc, self._k_deadline, self._k_info, self._k_ver],
             args=[info.node_id, os.urandom(8).hex(), lease_ms, info.pack(), last_incarnation])
         return Lease(info.node_id, int(inc), epoch, int(prev))
 
@@ -410,26 +434,40 @@ class Directory:
         return ",".join(sorted(i["run_id"] for i in infos.values())) if isinstance(infos, dict) else str(infos)
 
     def leave(self, lease: Lease) -> bool:
-        return bool(self._leave(keys=[self._k_inc, self._k_deadline, self._k_info],
+        return bool(self._leave(keys=[self._k_inc, self._k_deadline, self._k_info, self._k_ver],
                                 args=[lease.node_id, lease.incarnation]))
 
     def node_table(self) -> NodeTable:
-        sec, usec, epoch, incs, deadlines, infos = self._node_table(
-            keys=[self._k_epoch, self._k_inc, self._k_deadline, self._k_info])
+        """The live nodes, one round trip. The rows (incarnations and infos) come again only when the membership
+        version moved since this Directory last read them; the leases, only those that lapse within
+        `table_horizon_ms` (a reader refreshes well within it): every other live node's deadline reads as the
+        horizon, a bound below its real one, so liveness is judged as before while a healthy cluster's refresh costs
+        a few bytes instead of every node's row (docs/scale.md: 1,000 nodes x 9 clients)."""
+        with self._table_lock:
+            ver, epoch, rows = self._table_ver, self._table_epoch, self._rows
+        sec, usec, epoch_now, ver_now, incs, leases, infos, whole = self._node_table(
+            keys=[self._k_epoch, self._k_inc, self._k_deadline, self._k_info, self._k_ver],
+            args=[ver, epoch, self.table_horizon_ms])
         now_ms = int(sec) * 1000 + int(usec) // 1000
-        epoch = epoch or None
-        incs, deadlines, infos = _pairs(incs), _pairs(deadlines), _pairs(infos)
+        deadlines = {node: int(float(ms)) for node, ms in _pairs(leases).items()}
+        if whole:
+            infos = _pairs(infos)
+            rows = {node: (int(inc), infos.get(node)) for node, inc in _pairs(incs).items()}
+            with self._table_lock:
+                self._table_ver, self._table_epoch, self._rows = ver_now, epoch_now, rows
+        else:
+            horizon = now_ms + self.table_horizon_ms
+            deadlines = {node: deadlines.get(node, horizon) for node in rows}
         live, dead, until = {}, {}, {}
-        for node, inc in incs.items():
-            deadline = int(float(deadlines.get(node, 0)))
-            raw = infos.get(node)
+        for node, (inc, raw) in rows.items():
+            deadline = deadlines.get(node, 0)
             if deadline <= now_ms or not raw:
-                dead[node.decode()] = int(inc)
+                dead[node.decode()] = inc
                 continue
-            info = NodeInfo.unpack(raw, incarnation=int(inc))
+            info = NodeInfo.unpack(raw, incarnation=inc)
             live[info.incarnation] = info
             until[info.incarnation] = deadline
-        return NodeTable(epoch, now_ms, live, tuple(dead), until, dead)
+        return NodeTable(epoch_now or None, now_ms, live, tuple(dead), until, dead)
 
     # -- holders ------------------------------------------------------------------------------------------------
     def own_key(self, incarnation: int) -> str:
@@ -713,8 +751,9 @@ class Directory:
     def check_integrity(self) -> None:
         """Every node with an incarnation has a deadline and a readable info record naming it."""
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hgetall(self._k_inc).hgetall(self._k_deadline).hgetall(self._k_info)
-        incs, deadlines, infos = pipe.execute()
+        pipe.hgetall(self._k_inc).zrange(self._k_deadline, 0, -1, withscores=True).hgetall(self._k_info)
+        incs, leases, infos = pipe.execute()
+        deadlines = dict(leases)
         for node, inc in incs.items():
             assert node in deadlines, f"node {node!r} has no lease deadline"
             assert node in infos, f"node {node!r} has no info"

@@ -48,6 +48,50 @@ def test_join_heartbeat_and_lease_expiry(directory):
     directory.check_integrity()
 
 
+def _reply_bytes(reply) -> int:
+    return sum(map(_reply_bytes, reply)) if isinstance(reply, list) else len(str(reply))
+
+
+def test_a_refresh_without_membership_change_reads_only_the_leases_about_to_lapse(private_redis):
+    # 200 nodes with ~400-byte infos: the whole table is ~100 kB. A reader that has it reads it again only when
+    # someone joined or left; otherwise a few bytes, however many nodes there are (docs/scale.md: 1,000 nodes)
+    redis.Redis.from_url(private_redis.url).flushall()
+    writer, reader = Directory(private_redis.url, prefix="t"), Directory(private_redis.url, prefix="t")
+    try:
+        big = lambda n: NodeInfo(n, f"kvnode-{n}", "/dev/shm/" + "x" * 300, 1024, 64)  # noqa: E731
+        leases = {f"N{i:03d}": writer.join(big(f"N{i:03d}"), lease_ms=60_000) for i in range(200)}
+        replies = []  # what the reader's table script returned, each time (the real script, on the real server)
+        script = reader._node_table
+        reader._node_table = lambda **kw: replies.append(script(**kw)) or replies[-1]
+        assert len(reader.node_table().by_node()) == 200
+        for lease in list(leases.values())[:50]:
+            assert writer.heartbeat(lease, 60_000) == "ok"
+        table = reader.node_table()
+        whole, gated = _reply_bytes(replies[0]), _reply_bytes(replies[1])
+        assert len(table.by_node()) == 200 and whole > 80_000 and gated < 1_000, (whole, gated)
+        # a lease that lapses is seen without a membership change; one that comes back (a late heartbeat), too
+        lapsing = writer.join(big("late"), lease_ms=300)
+        assert "late" in reader.node_table().by_node()  # (a join: the whole table)
+        time.sleep(0.4)
+        table = reader.node_table()
+        assert "late" not in table.by_node() and "late" in table.dead and len(table.by_node()) == 200
+        assert writer.heartbeat(lapsing, 60_000) == "ok"
+        assert "late" in reader.node_table().by_node()
+        # a leave is a membership change; so is a Redis that restarted empty (a new epoch)
+        writer.leave(leases["N007"])
+        assert "N007" not in reader.node_table().by_node()
+        redis.Redis.from_url(private_redis.url).flushall()
+        assert reader.node_table().by_node() == {}
+        writer.join(big("N000"), lease_ms=60_000)
+        assert set(reader.node_table().by_node()) == {"N000"}
+        # the horizon bounds what a stale reader believes: a healthy lease reads as at least now + horizon
+        table = reader.node_table()
+        assert table.deadlines[table.by_node()["N000"].incarnation] - table.now_ms >= reader.table_horizon_ms - 1
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_longest_prefix_stops_at_the_first_chunk_without_a_live_holder(directory):
     a = directory.join(info("A"), 10_000)
     b = directory.join(info("B"), 10_000)

@@ -51,6 +51,14 @@ class KVMeshConfig:
     # at the same time, and keeps it (registered), so later readers on this node hit locally
     coalesce_pulls: bool = False
 
+    # hot-prefix replication (pull-throughs, i.e. coalesce_pulls): a node keeps (and registers) the chunks it pulled
+    # of a prompt group once at least replicate_min_readers distinct nodes pulled that group within
+    # replicate_window_s (itself included); below that, pulled chunks serve their readers and are dropped.
+    # 1 = every pull-through keeps what it pulls
+    replicate_min_readers: int = 1
+    replicate_window_s: float = 60.0
+    replicate_max_bytes: int = 0  # bound on the bytes of replicas one node keeps; 0 = only its tiers bound them
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # (annotations are strings here: `from __future__ import annotations`)
             v = getattr(self, f.name)
@@ -78,11 +86,19 @@ class KVMeshConfig:
                              f"got {self.write_policy!r}")
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1:
             raise ValueError(f"KVMeshConfig.io_threads must be a positive integer, got {self.io_threads!r}")
+        if isinstance(self.replicate_min_readers, bool) or not isinstance(self.replicate_min_readers, int) \
+                or self.replicate_min_readers < 1:
+            raise ValueError(f"KVMeshConfig.replicate_min_readers must be a positive integer, "
+                             f"got {self.replicate_min_readers!r}")
+        if (isinstance(self.replicate_max_bytes, bool) or not isinstance(self.replicate_max_bytes, int)
+                or self.replicate_max_bytes < 0):
+            raise ValueError(f"KVMeshConfig.replicate_max_bytes must be a non-negative integer, "
+                             f"got {self.replicate_max_bytes!r}")
         if self.cpu_bytes < self.slot_bytes:
             raise ValueError(f"KVMeshConfig.cpu_bytes ({self.cpu_bytes}) must hold at least one slot "
                              f"of slot_bytes ({self.slot_bytes})")
         for name in ("lease_s", "heartbeat_s", "pin_ttl_s", "lookup_timeout_s", "fetch_timeout_s",
-                     "node_refresh_s"):
+                     "node_refresh_s", "replicate_window_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"KVMeshConfig.{name} must be a positive number, got {v!r}")

@@ -54,6 +54,7 @@ from kvmesh.janitor import Janitor
 from kvmesh.nodeview import NodeView
 from kvmesh.pullthrough import PullThrough
 from kvmesh.registrar import Registrar
+from kvmesh.replication import Replicas
 from kvmesh.telemetry import RayExporter, Records, export_node_stats
 from kvmesh.tiers import TIER_NAMES, checksum
 from kvmesh.tiers.cpu import CpuTier
@@ -145,10 +146,13 @@ class KVNode:
             self.info = NodeInfo(node_id, actor_name, path, num_slots * cfg.slot_bytes, cfg.slot_bytes,
                                  self.data_server.address if self.data_server else "")
             self.directory = Directory(cfg.redis_url, cfg.key_prefix)
+            # what pull-throughs keep (hot-prefix replicas) and what they only brought for their readers
+            self.replicas = Replicas(self.directory.redis, cfg.key_prefix, node_id, cfg.replicate_min_readers,
+                                     cfg.replicate_window_s, cfg.replicate_max_bytes)
             self.janitor = Janitor(self.directory, node_id, cfg.lease_s, lambda: self.registrar.lease, self._count,
                                    self._event)
             self.registrar = Registrar(self.directory, self.info, self._lease_ms, cfg.heartbeat_s, self.lock,
-                                       self.cascade.ready_chunks, self.cascade.holds_group, self._count,
+                                       self._registrable, self.cascade.holds_group, self._count,
                                        self._event, self.janitor.purge_later)
         except Exception:
             if self.data_server:
@@ -295,10 +299,14 @@ class KVNode:
 
     def _release_pin(self, entry) -> None:
         slots, gpu_slots, _deadline = entry
+        keys = [self.tier.record(s).key for s in slots]
         self.tier.unpin(slots)
         if gpu_slots:
             assert self.cascade.gpu is not None  # (they were pinned in it)
+            keys += [self.cascade.gpu.record(s).key for s in gpu_slots]
             self.cascade.gpu.unpin(gpu_slots)
+        if self.replicas.transient_chunks:
+            self._drop_transient(keys)
 
     def report_corrupt(self, keys: list[bytes]) -> int:
         with self.lock:
@@ -362,7 +370,34 @@ class KVNode:
 
     def pull_through(self, req: PullRequest) -> Pinned:
         self.pull_through_part.run(req)
-        return self.pin(req.keys, self.node_id)
+        pinned = self.pin(req.keys, self.node_id)
+        with self.lock:  # chunks pulled only for readers, that none of them pinned (evicted meanwhile): gone now
+            self._drop_transient(req.keys)
+        return pinned
+
+    def _registrable(self) -> list[tuple[bytes, bytes, int]]:
+        """Caller holds the lock: what the directory should list (every chunk held, but those a pull-through
+        brought only for its readers)."""
+        return [c for c in self.cascade.ready_chunks() if not self.replicas.is_transient(c[1])]
+
+    def _drop_transient(self, keys) -> None:
+        """Caller holds the lock: forget the transient chunks among `keys` that no reader pins any more (a pinned
+        one is dropped at its last unpin). They were never registered, so the directory hears nothing."""
+        for key in keys:
+            group = self.replicas.transient_group(key)
+            if group is None or self._pinned_anywhere(key):
+                continue
+            self.replicas.drop_transient(key)
+            self.cascade.discard(key)
+            self.cascade.changes.pop((group, key), None)
+            self.stats_counts["transient_dropped"] += 1
+
+    def _pinned_anywhere(self, key: bytes) -> bool:
+        for t in self.cascade._tiers():
+            i = t._by_key.get(key)
+            if i is not None and t.record(i).pins:
+                return True
+        return False
 
     # -- stores --------------------------------------------------------------------------------------------------
     def store(self, items: list[StoreItem], buf: np.ndarray) -> int:
@@ -495,7 +530,7 @@ class KVNode:
         the I/O threads. Returns the registrar's sequence number for `wait`."""
         for job in self.cascade.take_writes():
             self._io.put(("write", job))
-        return self.registrar.post(self.cascade.drain())
+        return self.registrar.post(self.replicas.filter_changes(self.cascade.drain()))
 
     # -- maintenance ---------------------------------------------------------------------------------------------
     def _maintain(self) -> None:
@@ -652,6 +687,8 @@ class KVNode:
                          gpu_capacity_bytes=gpu.num_slots * gpu.slot_bytes)
             d["tiers"] = [{"tier": TIER_NAMES[t.tier_id], "chunks": len(t), "used_bytes": t.used_bytes,
                            "capacity_bytes": t.num_slots * t.slot_bytes} for t in self.cascade._tiers()]
+            d.update(replicated_chunks=self.replicas.replicated_chunks,
+                     replicated_bytes=self.replicas.replicated_bytes, transient_chunks=self.replicas.transient_chunks)
             d["served_bytes"] = dict(self._served)
             d["top_prefixes"] = [[g.hex(), n] for g, n in self._group_hits.most_common(10)]
             d["time"] = time.time()
@@ -666,7 +703,7 @@ class KVNode:
             assert self.registrar.flush(10.0), "directory updates are still pending"
         with self.lock:
             self.cascade.check_integrity(verify_checksums=verify_checksums)
-            held = {(g, k[:FIELD_BYTES]): t for g, k, t in self.cascade.ready_chunks()}
+            held = {(g, k[:FIELD_BYTES]): t for g, k, t in self._registrable()}
         if directory and not self.fenced:
             listed = self.directory.entries_of(self.lease.incarnation)
             unfindable = held.keys() - listed.keys()
@@ -692,7 +729,7 @@ class KVNode:
         self._peers.close()
         self._pull_pool.shutdown(wait=False)
         with self.lock:
-            held = self.cascade.ready_chunks()
+            held = self._registrable()
         self.registrar.shutdown(held)
         for t in self._io_threads:
             t.join(timeout=5)

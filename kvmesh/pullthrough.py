@@ -1,6 +1,8 @@
 """Pull-through: a KVNode brings chunks from a peer for its own readers, through the data plane's `Fetcher`, into
-sinks of its own tiers. Concurrent readers of a chunk share its one transfer (`inflight.InflightPulls`), and the
-chunks pulled stay on this node, registered, for the readers that come later.
+sinks of its own tiers. Concurrent readers of a chunk share its one transfer (`inflight.InflightPulls`). Whether
+the chunks pulled stay on this node, registered, for the readers that come later (a replica), or are dropped once
+this pull's readers unpin them, is `replication.Replicas`' call: a prompt group pulled by enough distinct nodes
+within a window is kept, up to a bound on replicated bytes.
 
     SlotSink     into reserved CPU-slab slots: the socket writes the shared memory, each chunk becomes readable
                  (and is registered) once it arrived verified; slots of chunks that did not arrive are freed
@@ -129,13 +131,20 @@ class PullThrough:
                 break
 
     def _pull(self, req: PullRequest, keys: list[bytes], deadline: float) -> int:
-        """Bring the leading run of `keys` from the holder into this node's tiers and register it; returns how
-        many chunks landed. Failures end the run early and are counted, never raised."""
+        """Bring the leading run of `keys` from the holder into this node's tiers; returns how many chunks landed.
+        Those `Replicas.admit` keeps are registered (replicas), the rest only serve this pull's readers. Failures
+        end the run early and are counted, never raised."""
         node = self.node
         if req.holder == node.node_id or node.view.info(req.holder, req.incarnation) is None:
             self._count("pull_through_holder_unknown")
             return 0
+        replicas = node.replicas
+        readers = replicas.readers(req.group)  # (one Redis round trip, none where every pull is kept)
+        asked = keys
         with self._lock:
+            keep = replicas.admit(readers, req.nbytes, len(keys))
+            # chunks not kept are never registered, and are dropped once their readers unpin them
+            replicas.mark_transient(keys[keep:], req.group, req.nbytes)
             direct = node.cascade.top is node.tier and req.nbytes <= node.tier.slot_bytes
             if direct:
                 tickets = []
@@ -146,14 +155,23 @@ class PullThrough:
                         break
                     tickets.append(t)
                 keys = keys[:len(tickets)]
-        if not keys:
-            return 0
-        sink = SlotSink(node, tickets, req.nbytes) if direct else BufferSink(node, keys, req.group, req.nbytes)
-        holder = (Holder(req.holder, req.incarnation, TIER_CPU),)
-        opts = FetchOptions(req.nbytes, deadline, req.transport, False, req.group,
-                            max(1, node.config.pull_batch_bytes // req.nbytes))
-        n, stats = self.fetcher.fetch([ChunkMatch(k, holder) for k in keys], sink, opts)
-        if stats.error:
-            self._count(f"pull_through_error_{stats.error}")
+        n = 0
+        try:
+            if keys:
+                sink = (SlotSink(node, tickets, req.nbytes) if direct
+                        else BufferSink(node, keys, req.group, req.nbytes))
+                holder = (Holder(req.holder, req.incarnation, TIER_CPU),)
+                opts = FetchOptions(req.nbytes, deadline, req.transport, False, req.group,
+                                    max(1, node.config.pull_batch_bytes // req.nbytes))
+                n, stats = self.fetcher.fetch([ChunkMatch(k, holder) for k in keys], sink, opts)
+                if stats.error:
+                    self._count(f"pull_through_error_{stats.error}")
+        finally:
+            with self._lock:
+                replicas.settle(asked, req.nbytes, keep, n, node.cascade.holds)
+                kept = min(keep, n)
+                node.stats_counts["replicated_chunks_added"] += kept
+                node.stats_counts["replicated_bytes_added"] += kept * req.nbytes
+                node.stats_counts["replication_refused_cold" if readers < replicas.min_readers
+                                  else "replication_refused_bytes"] += max(0, n - keep)
         return n
-

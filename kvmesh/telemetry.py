@@ -54,6 +54,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvmesh_tier_capacity_bytes": ("gauge", ("node", "tier"), "capacity of a tier"),
     "kvmesh_tier_used_bytes": ("gauge", ("node", "tier"), "bytes held in a tier"),
     "kvmesh_tier_chunks": ("gauge", ("node", "tier"), "chunks held in a tier"),
+    "kvmesh_replicated_bytes": ("gauge", ("node",), "bytes of hot-prefix replicas a node keeps (pulled, registered)"),
+    "kvmesh_replicated_chunks": ("gauge", ("node",), "hot-prefix replica chunks a node keeps"),
+    "kvmesh_replications_total": ("counter", ("node",), "chunks a node's pull-throughs kept as replicas"),
+    "kvmesh_replication_refused_total": ("counter", ("node", "reason"),
+                                         "pulled chunks not kept as replicas, by reason: cold (fewer distinct "
+                                         "readers than replicate_min_readers), bytes (replicate_max_bytes reached)"),
 }
 
 _HIST_BOUNDS = [0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0]
@@ -211,6 +217,14 @@ def export_node_stats(ray_exp: RayExporter, node: str, stats: dict, last: dict) 
                       ("kvmesh_corrupt_chunks_total", "corrupt_dropped"),
                       ("kvmesh_stored_chunks_total", "stored_chunks")):
         ray_exp.inc(name, stats.get(key, 0) - last.get(key, 0), node=node)
+    ray_exp.inc("kvmesh_replications_total", stats.get("replicated_chunks_added", 0)
+                - last.get("replicated_chunks_added", 0), node=node)
+    for reason in ("cold", "bytes"):
+        key = f"replication_refused_{reason}"
+        ray_exp.inc("kvmesh_replication_refused_total", stats.get(key, 0) - last.get(key, 0), node=node,
+                    reason=reason)
+    ray_exp.set("kvmesh_replicated_bytes", stats.get("replicated_bytes", 0), node=node)
+    ray_exp.set("kvmesh_replicated_chunks", stats.get("replicated_chunks", 0), node=node)
     for tier in stats.get("tiers", []):
         ray_exp.set("kvmesh_tier_capacity_bytes", tier["capacity_bytes"], node=node, tier=tier["tier"])
         ray_exp.set("kvmesh_tier_used_bytes", tier["used_bytes"], node=node, tier=tier["tier"])

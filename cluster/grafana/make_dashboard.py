@@ -57,6 +57,12 @@ panels = [
           [("sum by (src, dst) (rate(ray_kvmesh_tier_moved_bytes_total[1m]))", "{{src}} -> {{dst}}")], "Bps", 0, 48),
     panel(13, "Chunks moved between tiers",
           [("sum by (src, dst) (rate(ray_kvmesh_tier_moves_total[1m]))", "{{src}} -> {{dst}}")], "ops", 12, 48),
+    panel(14, "Hot-prefix replicas kept per node",
+          [("sum by (node) (ray_kvmesh_replicated_bytes)", "{{node}}")], "bytes", 0, 56),
+    panel(15, "Replication: chunks kept, and refused by reason",
+          [("sum(rate(ray_kvmesh_replications_total[1m]))", "kept"),
+           ("sum by (reason) (rate(ray_kvmesh_replication_refused_total[1m]))", "refused ({{reason}})")],
+          "ops", 12, 56),
 ]
 
 dashboard = {

@@ -388,7 +388,8 @@ class Directory:
         self._k_ver = f"{n}:ver"
         # node_table's rows as of membership version `_table_ver` of epoch `_table_epoch`: node id -> (inc, info)
         self._table_lock = threading.Lock()
-        self._table_ver, self._table_epoch, self._rows = b"", b"", {}
+        self._table_ver, self._table_epoch = b"", b""
+        self._rows: dict[bytes, tuple[int, bytes | None]] = {}
         self.table_horizon_ms = 3000  # node_table: leases further off than this are read only on a membership change
         self._join = self._redis.register_script(_JOIN)
         self._heartbeat = self._redis.register_script(_HEARTBEAT)

@@ -1,0 +1,219 @@
+"""Ray Serve: send each request to the replica that gives it its first token soonest, by kvmesh's directory and
+cost model (`KVMeshClient.route`), with a bounded-load guard so that one hot prefix does not flood its holder.
+
+    router_config(spec, *, eps, ...) -> RequestRouterConfig   what a deployment passes as `request_router_config`
+    KVMeshRouter                   the `ray.serve.request_router.RequestRouter`: one `route` per request (one
+                                   directory round trip, off the event loop), replicas ranked by expected TTFT
+    request_tokens(request) -> token ids | None   how a request carries its prompt (below)
+    LoadReporter(client)           in a replica: counts its requests and their prompt tokens and publishes them
+                                   (`KVMeshClient.report_load`), which the router's estimates read as queue wait
+
+A request carries its prompt's token ids as the keyword argument `tokens`, or as its first positional argument (a
+list or tuple of ints, or a 1-D integer numpy array or torch tensor): `handle.remote(token_ids)` or
+`handle.remote(tokens=token_ids, ...)`. A request without them (an HTTP request, a text prompt) is routed by load
+alone: the replica with the fewest of this router's requests in flight.
+
+Bounded load (consistent hashing with bounded loads, Mirrokni et al. 2018): with `m` requests of this router in
+flight over `n` candidate replicas, a replica is a candidate for the next one only while it has fewer than
+ceil((1 + eps) * (m + 1) / n) in flight; among those, the order is expected TTFT (ties: fewer in flight). At least
+one replica always qualifies. Each router (each handle's process, each proxy) counts only its own requests.
+
+Estimates are made in the router's process, which runs no model: its prefill rate is the `prefill_tokens_per_s`
+option (kvmesh.routing's prior when unset) until that process's client has observed prefills. A directory that
+fails gives unknown estimates: requests are then routed by load alone until it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kvmesh._extras import MissingExtra
+from kvmesh.spec import KVSpec
+
+try:
+    from ray.serve.config import RequestRouterConfig
+    from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+except ModuleNotFoundError as e:  # Ray without its serve extra (starlette, fastapi, uvicorn, ...)
+    raise MissingExtra(f"kvmesh.integrations.serve needs Ray Serve ({e.name}): pip install 'kvmesh[serve]'",
+                       name=e.name) from None
+
+DEFAULT_EPS = 0.25
+
+
+def router_config(spec: KVSpec, *, eps: float = DEFAULT_EPS, cache_salt: str | None = None,
+                  redis_url: str | None = None, prefill_tokens_per_s: float | None = None,
+                  **options) -> RequestRouterConfig:
+    """The `request_router_config` of a deployment whose replicas are kvmesh workers of `spec`. `eps`: the
+    bounded-load slack (0 = perfectly even, larger = more reuse); `cache_salt`: the tenant the prompts belong to;
+    `redis_url` and `options` (KVMeshConfig fields): the router's `kvmesh.connect` (default: its node's KVNode's)."""
+    if not isinstance(spec, KVSpec):
+        raise TypeError(f"spec must be a kvmesh.KVSpec, got {type(spec).__name__}")
+    _check_eps(eps)
+    kwargs = dict(spec=spec.canonical_bytes().hex(), eps=float(eps), cache_salt=cache_salt, redis_url=redis_url,
+                  prefill_tokens_per_s=prefill_tokens_per_s, options=options)
+    return RequestRouterConfig(request_router_class=KVMeshRouter, request_router_kwargs=kwargs)
+
+
+def _check_eps(eps) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or not math.isfinite(eps):
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+
+
+def request_tokens(request: PendingRequest):
+    """The prompt's token ids a request carries (`tokens=` or the first positional argument), else None."""
+    toks = request.kwargs.get("tokens") if request.kwargs else None
+    if toks is None and request.args:
+        toks = request.args[0]
+    if isinstance(toks, (list, tuple)):
+        return toks if toks and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in toks) \
+            else None
+    is_array = isinstance(toks, np.ndarray) or (type(toks).__module__.startswith("torch") and hasattr(toks, "dim"))
+    return toks if is_array and getattr(toks, "ndim", 0) == 1 and getattr(toks, "shape", (0,))[0] > 0 else None
+
+
+class KVMeshRouter(RequestRouter):
+    """Selected through `router_config(spec, ...)`; Serve constructs it in every process that routes to the
+    deployment and calls `initialize_state` with the config's kwargs."""
+
+    def initialize_state(self, spec: str = "", eps: float = DEFAULT_EPS, cache_salt: str | None = None,
+                         redis_url: str | None = None, prefill_tokens_per_s: float | None = None,
+                         options: dict | None = None, **_) -> None:
+        import kvmesh
+
+        _check_eps(eps)
+        self.eps = float(eps)
+        self.cache_salt = cache_salt
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.client = kvmesh.connect(KVSpec.from_canonical_bytes(bytes.fromhex(spec)), redis_url,
+                                     cache_salt=cache_salt, **(options or {}))
+        self.in_flight: dict[ReplicaID, int] = {}  # this router's requests sent and not completed, per replica
+        self.last_estimates: list = []  # the last request's estimates (RouteEstimate), for tests and debugging
+        # route() blocks on one directory round trip (bounded by lookup_timeout_s): run it off the event loop, one
+        # at a time (a client takes one caller at a time)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-serve-route")
+        self._lock = threading.Lock()
+
+    # -- in-flight accounting: Serve calls on_send_request for every request sent, on_request_completed once each
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
+        self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        n = self.in_flight.get(replica_id, 0) - 1
+        if n > 0:
+            self.in_flight[replica_id] = n
+        else:
+            self.in_flight.pop(replica_id, None)
+
+    def allowed(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
+        """The replicas under the bounded-load cap for one more request."""
+        total = sum(self.in_flight.get(r.replica_id, 0) for r in replicas)
+        cap = math.ceil((1 + self.eps) * (total + 1) / len(replicas))
+        return [r for r in replicas if self.in_flight.get(r.replica_id, 0) + 1 <= cap]
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        allowed = self.allowed(candidate_replicas)
+        load = {r.replica_id: self.in_flight.get(r.replica_id, 0) for r in allowed}
+        toks = request_tokens(pending_request) if pending_request is not None else None
+        ttft: dict[ReplicaID, float] = {}
+        if toks is not None:
+            located = [r for r in allowed if r.node_id]
+            if located:
+                est = await asyncio.get_running_loop().run_in_executor(self._pool, self._route, toks, located)
+                self.last_estimates = est
+                ttft = {e.candidate.replica_id: e.expected_ttft_s for e in est if e.expected_ttft_s is not None}
+        # best expected TTFT first (unknown ones last), then fewer in flight, then at random; one replica per rank,
+        # so Serve tries them in this order (and backs off and asks again if every one is full)
+        random.shuffle(allowed)
+        ranked = sorted(allowed, key=lambda r: (ttft.get(r.replica_id, math.inf), load[r.replica_id]))
+        return [[r] for r in ranked]
+
+    def _route(self, toks, replicas):
+        with self._lock:
+            return self.client.route(toks, replicas, prefill_tokens_per_s=self.prefill_tokens_per_s)
+
+
+class LoadReporter:
+    """A replica's load, published through kvmesh for the routers' estimates. Use one per replica:
+
+        reporter = LoadReporter(client)              # replica id: Serve's, inside a replica
+        with reporter.request(len(prompt_ids)):      # queued and prefilling until prefilled() or the end
+            ...
+
+    A background thread publishes whenever the load changed (coalescing bursts) and at least every `lease_s`
+    (reports older than a few lease periods read as unknown). `close()` stops it."""
+
+    def __init__(self, client, replica_id: str | None = None) -> None:
+        if replica_id is None:
+            from ray import serve
+
+            replica_id = serve.get_replica_context().replica_id.unique_id
+        self.client = client
+        self.replica_id = replica_id
+        self.pending_prefill_tokens = 0  # prompt tokens of requests not yet prefilled
+        self.queue_depth = 0  # requests queued or running
+        self._cv = threading.Condition()
+        self._dirty = True
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvmesh-serve-load", daemon=True)
+        self._thread.start()
+
+    def request(self, prompt_tokens: int) -> _Tracked:
+        if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be a non-negative int, got {prompt_tokens!r}")
+        return _Tracked(self, prompt_tokens)
+
+    def _change(self, tokens: int, depth: int) -> None:
+        with self._cv:
+            self.pending_prefill_tokens += tokens
+            self.queue_depth += depth
+            self._dirty = True
+            self._cv.notify()
+
+    def _run(self) -> None:
+        period = self.client.config.lease_s
+        while True:
+            with self._cv:
+                if not self._dirty and not self._closed:
+                    self._cv.wait(period)
+                if self._closed:
+                    return
+                self._dirty = False
+                pending, depth = self.pending_prefill_tokens, self.queue_depth
+            self.client.report_load(pending, depth, self.replica_id)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=2)
+
+
+class _Tracked:
+    """One request in a LoadReporter: counted from enter to exit; its prompt tokens until `prefilled()`."""
+
+    def __init__(self, reporter: LoadReporter, tokens: int) -> None:
+        self._reporter, self._tokens = reporter, tokens
+
+    def __enter__(self) -> _Tracked:
+        self._reporter._change(self._tokens, 1)
+        return self
+
+    def prefilled(self) -> None:
+        if self._tokens:
+            self._reporter._change(-self._tokens, 0)
+            self._tokens = 0
+
+    def __exit__(self, *exc) -> None:
+        self._reporter._change(-self._tokens, -1)
+        self._tokens = 0

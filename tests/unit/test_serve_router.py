@@ -1,0 +1,72 @@
+"""kvmesh.integrations.serve's pure parts: how a request carries its tokens, and the bounded-load guard."""
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ray.serve", reason="needs kvmesh[serve]")
+
+from kvmesh.integrations.serve import KVMeshRouter, request_tokens, router_config  # noqa: E402
+from kvmesh.spec import KVSpec  # noqa: E402
+
+
+@dataclass
+class Request:  # what the router reads of Serve's PendingRequest
+    args: list = field(default_factory=list)
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class Replica:
+    replica_id: str
+    node_id: str = "aa"
+
+
+def test_tokens_come_from_the_tokens_kwarg_or_the_first_positional_argument():
+    assert request_tokens(Request(kwargs={"tokens": [1, 2, 3]})) == [1, 2, 3]
+    assert request_tokens(Request(args=[(4, 5)], kwargs={"max_new_tokens": 3})) == (4, 5)
+    arr = np.arange(4)
+    assert request_tokens(Request(args=[arr])) is arr
+    t = torch.arange(3)
+    assert request_tokens(Request(args=[t])) is t
+    # anything else is routed by load alone
+    for req in (Request(), Request(args=["a text prompt"]), Request(args=[[]]), Request(args=[[1.5, 2.0]]),
+                Request(args=[np.zeros((2, 2), dtype=np.int64)]), Request(args=[[True, False]])):
+        assert request_tokens(req) is None
+
+
+def router(eps: float, in_flight: dict) -> KVMeshRouter:
+    r = KVMeshRouter.__new__(KVMeshRouter)  # (the guard needs no Serve runtime)
+    r.eps, r.in_flight = eps, dict(in_flight)
+    return r
+
+
+def test_no_replica_gets_more_than_ceil_of_1_plus_eps_times_the_average():
+    reps = [Replica("a"), Replica("b"), Replica("c")]
+    # nothing in flight: cap = ceil(1.25 * 1 / 3) = 1, everyone qualifies
+    assert [x.replica_id for x in router(0.25, {}).allowed(reps)] == ["a", "b", "c"]
+    # a has 1, others 0: cap = ceil(1.25 * 2 / 3) = 1: a is full
+    assert [x.replica_id for x in router(0.25, {"a": 1}).allowed(reps)] == ["b", "c"]
+    # 6 in flight (4, 1, 1): cap = ceil(1.25 * 7 / 3) = 3: a stays out until the others catch up
+    assert [x.replica_id for x in router(0.25, {"a": 4, "b": 1, "c": 1}).allowed(reps)] == ["b", "c"]
+    # a large eps lets the favourite take more: cap = ceil(3 * 7 / 3) = 7
+    assert len(router(2.0, {"a": 4, "b": 1, "c": 1}).allowed(reps)) == 3
+    # whatever the counts, the least loaded replica always qualifies
+    for counts in ({"a": 9}, {"a": 3, "b": 3, "c": 2}, {"a": 0, "b": 7, "c": 7}):
+        m = sum(counts.values())
+        allowed = router(0.0, counts).allowed(reps)
+        assert allowed and all(counts.get(x.replica_id, 0) + 1 <= math.ceil((m + 1) / 3) for x in allowed)
+
+
+def test_router_config_carries_a_json_safe_spec_and_checks_eps():
+    s = KVSpec("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=32)
+    cfg = router_config(s, eps=0.5, cache_salt="t")
+    kw = cfg.request_router_kwargs
+    assert KVSpec.from_canonical_bytes(bytes.fromhex(kw["spec"])) == s and kw["eps"] == 0.5
+    with pytest.raises(ValueError, match="eps"):
+        router_config(s, eps=-1)
+    with pytest.raises(TypeError, match="spec"):
+        router_config("m")

@@ -50,7 +50,7 @@ from kvmesh.directory import Directory, Holder, probe
 from kvmesh.handle import LocalHandle, NodeHandle, Orphans
 from kvmesh.hashing import HASH_BYTES, as_tokens, chunk_hashes, salt_bytes
 from kvmesh.match import ChunkMatch, FetchStats, Match, StoreResult
-from kvmesh.nodeview import NodeView
+from kvmesh.nodeview import NodeView, TableFile, relayed
 from kvmesh.spec import KVSpec
 from kvmesh.storequeue import StoreQueue
 from kvmesh.telemetry import ClientExporter, Records
@@ -89,7 +89,10 @@ class KVMeshClient:
         self.cost = CostModel({"local": LinkModel(measure_memcpy_bps() / 2, 1e-3), "peer": LinkModel(1e9, 2e-3),
                                "local-disk": LinkModel(5e8, 5e-3), "peer-disk": LinkModel(4e8, 6e-3)})
         self.directory = Directory(config.redis_url, config.key_prefix, timeout_s=config.lookup_timeout_s)
-        self.view = NodeView(self.directory.node_table, DIRECTORY_RETRY_S, config.node_refresh_s)
+        # the node table as this node's KVNode relays it (one reader of Redis per node), else from Redis
+        self._table_file = TableFile.beside(local_slab[0]) if local_slab else None
+        self.view = NodeView(relayed(lambda: self._table_file, self.directory.node_table, 2 * config.node_refresh_s),
+                             DIRECTORY_RETRY_S, config.node_refresh_s)
         orphans = getattr(local, "orphans", None)  # replies of this client's calls that came too late
         self._orphans: Orphans = orphans if orphans is not None else Orphans()
         self._local = local
@@ -410,6 +413,7 @@ class KVMeshClient:
             return
         old, env = self._slab, self.fetcher.env
         self._slab = SlabReader.open(hello.info.slab_path, hello.info.slab_bytes)
+        self._table_file = TableFile.beside(hello.info.slab_path)
         env.slab, env.slot_bytes = self._slab, hello.info.slot_bytes
         if old is not None:
             old.close()

@@ -51,7 +51,7 @@ from kvmesh.dataplane.sources import Env
 from kvmesh.directory import FIELD_BYTES, Directory
 from kvmesh.handle import NodeHandle, NodeHello, Pinned, Pulled
 from kvmesh.janitor import Janitor
-from kvmesh.nodeview import NodeView
+from kvmesh.nodeview import NodeView, TableFile
 from kvmesh.pullthrough import PullThrough
 from kvmesh.registrar import Registrar
 from kvmesh.replication import Replicas
@@ -64,12 +64,13 @@ from kvmesh.wire import GpuReserved, NodeInfo, PinnedChunk, StoreItem, WireError
 from kvmesh.wire import PullThrough as PullRequest
 
 log = logging.getLogger("kvmesh.node")
-_SLAB_RE = re.compile(r"^kvmesh-(?P<node>[0-9a-f]+)-(?P<pid>\d+)-[0-9a-f]+$")
+_SLAB_RE = re.compile(r"^kvmesh-(?P<node>[0-9a-f]+)-(?P<pid>\d+)-[0-9a-f]+(\.nodes)?$")  # and its table relay
 REGISTER_WAIT_S = 3.0  # a store returns once its chunks are registered, or after this (they stay queued)
 
 
 def remove_stale_slabs(shm_dir: str = "/dev/shm") -> int:
-    """Unlink slabs whose KVNode process is gone (killed with SIGKILL, or its node removed). Returns how many."""
+    """Unlink slabs (and their node-table relays) whose KVNode process is gone (killed with SIGKILL, or its node
+    removed). Returns how many."""
     removed = 0
     for name in os.listdir(shm_dir):
         m = _SLAB_RE.match(name)
@@ -161,7 +162,8 @@ class KVNode:
             raise
         self.janitor.purge_later([self.registrar.lease.previous])
         self._gpu_exports = self._export_gpu()
-        self.view = NodeView(self.directory.node_table, 5.0, cfg.node_refresh_s)  # peers, for pull-throughs
+        # peers, for pull-throughs; each read also relayed to the clients on this node (nodeview.TableFile)
+        self.view = NodeView(self.directory.node_table, 5.0, cfg.node_refresh_s, TableFile.beside(path))
         self.peers = lambda node: NodeHandle.find(node, self.node_id)  # a peer's KVNode (without Ray: none)
         self._peers = DataClient()  # this node's connections to peers' DataServers
         self._pull_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-node-pull")
@@ -178,6 +180,8 @@ class KVNode:
         self._devsum_busy = 0  # chunks the device-checksum thread is working on now (under the lock)
         self._devsum_thread = threading.Thread(target=self._devsum_loop, name="kvmesh-node-devsum", daemon=True)
         self._devsum_thread.start()
+        self._table_thread = threading.Thread(target=self._table_loop, name="kvmesh-node-table", daemon=True)
+        self._table_thread.start()
         self._io_threads = []
         if disk is not None:
             for i in range(cfg.io_threads):
@@ -546,6 +550,12 @@ class KVNode:
             except redis.RedisError as e:
                 log.debug("janitor round failed: %s", e)
 
+    def _table_loop(self) -> None:
+        """The node table, read for this node's clients every `node_refresh_s` (they read the relay, not Redis)."""
+        self.view.refresh()
+        while not self._stop.wait(self.config.node_refresh_s):
+            self.view.refresh()
+
     def _count(self, name: str, n: int = 1) -> None:
         with self.lock:
             self.stats_counts[name] += n
@@ -723,6 +733,9 @@ class KVNode:
         self._closed = True
         self._stop.set()
         self._thread.join(timeout=5)
+        self._table_thread.join(timeout=5)
+        if self.view.publish is not None:
+            self.view.publish.remove()
         self._devsum_thread.join(timeout=30)  # it reads the slab: done before the slab is unmapped
         if self.data_server:
             self.data_server.shutdown()

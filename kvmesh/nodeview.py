@@ -12,25 +12,40 @@ each own one (a KVNode's pull-throughs need peers' addresses too).
 
 A directory that failed moments ago is not asked again on the request path (a fast miss instead of a timeout per
 call); the background refresh keeps probing it and closes the breaker as soon as it answers.
+
+    TableFile(path)            the node table a KVNode relays to the clients on its node: a small file beside its
+                               slab, replaced whole (`os.replace`) after each of the node's refreshes
+    relayed(file, read, max_age_s)   a client's read: the relayed table while it is fresh (the node read Redis
+                               within `max_age_s`), else the directory itself
+
+So Redis serves one node-table reader per node, not one per client (docs/scale.md: 1,000 nodes x 9 clients), and a
+client still sees a dead directory: the node's refreshes fail, its file goes stale, the client asks Redis.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
 
+import msgpack
 import redis
 
 from kvmesh.directory import NodeTable
 from kvmesh.wire import NodeInfo
 
+TABLE_FILE_VERSION = 1
+
 EMPTY = NodeTable(None, 0, {}, (), {})
 
 
 class NodeView:
-    def __init__(self, read: Callable[[], NodeTable], retry_s: float = 5.0, max_age_s: float = 0.5) -> None:
+    def __init__(self, read: Callable[[], NodeTable], retry_s: float = 5.0, max_age_s: float = 0.5,
+                 publish: TableFile | None = None) -> None:
+        """`publish`: where each table read is relayed to this node's clients (a KVNode's view)."""
         self._read = read
+        self.publish = publish
         self.retry_s = retry_s
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
@@ -66,6 +81,8 @@ class NodeView:
         with self._lock:
             self._table, self._at = table, time.monotonic()
             self._open_until = 0.0  # it answers again
+        if self.publish is not None:
+            self.publish.write(table, self._at)
         return True
 
     def allow(self) -> bool:
@@ -77,3 +94,63 @@ class NodeView:
 
     def succeeded(self) -> None:
         self._open_until = 0.0
+
+
+class TableFile:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @staticmethod
+    def beside(slab_path: str) -> TableFile:
+        return TableFile(slab_path + ".nodes")
+
+    def write(self, table: NodeTable, at: float) -> None:
+        """`at`: when `table` was read (time.monotonic(), one clock for every process of the machine)."""
+        data = msgpack.packb([TABLE_FILE_VERSION, at, table.epoch, table.now_ms,
+                              [[inc, info.pack()] for inc, info in table.live.items()], list(table.dead),
+                              list(table.deadlines.items()), list((table.dead_incarnations or {}).items())],
+                             use_bin_type=True)
+        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+        except OSError:  # a full or read-only /dev/shm: the clients read Redis themselves
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+    def read(self, max_age_s: float) -> NodeTable | None:
+        """The relayed table with its clock advanced to now, or None: no file, another format, or older than
+        `max_age_s` (the node's refreshes stopped or fail)."""
+        try:
+            with open(self.path, "rb") as f:
+                o = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+            if o[0] != TABLE_FILE_VERSION:
+                return None
+            age = time.monotonic() - float(o[1])
+            if not -1.0 <= age <= max_age_s:
+                return None
+            live = {int(inc): NodeInfo.unpack(raw, incarnation=int(inc)) for inc, raw in o[4]}
+            return NodeTable(o[2], int(o[3]) + int(age * 1000), live, tuple(o[5]),
+                             {int(i): int(d) for i, d in o[6]}, {str(n): int(i) for n, i in o[7]})
+        except (OSError, ValueError, TypeError, IndexError, msgpack.ExtraData, msgpack.FormatError,
+                msgpack.StackError):
+            return None
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+def relayed(file: Callable[[], TableFile | None], read: Callable[[], NodeTable],
+            max_age_s: float) -> Callable[[], NodeTable]:
+    """A client's node-table read: its node's relayed table while fresh, else `read` (the directory)."""
+    def read_table() -> NodeTable:
+        f = file()
+        table = f.read(max_age_s) if f is not None else None
+        return table if table is not None else read()
+    return read_table

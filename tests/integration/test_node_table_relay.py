@@ -1,0 +1,89 @@
+"""The node table reaches a node's clients through its KVNode (nodeview.TableFile): Redis serves one table reader
+per node, not one per client; a client whose node stopped relaying, or whose directory is gone, still sees it."""
+
+import os
+import time
+
+import pytest
+import redis
+
+from kvmesh.client import connect_local
+from kvmesh.config import KVMeshConfig
+from kvmesh.local import RedisServer
+from kvmesh.node import remove_stale_slabs
+from kvmesh.spec import KVSpec
+from tests.conftest import wait_until
+from tests.integration.nodes import WireNode
+
+SLOT = 4096
+SPEC = KVSpec("relay-test-model", 2, 2, 8, "float16", chunk_tokens=16)
+
+
+class Counted:
+    """Counts a Directory's node-table reads (the real script on the real server, only counted)."""
+
+    def __init__(self, directory) -> None:
+        self.calls = 0
+        self._read = directory._node_table
+        directory._node_table = self
+
+    def __call__(self, **kw):
+        self.calls += 1
+        return self._read(**kw)
+
+
+@pytest.fixture
+def two_nodes(private_redis, tmp_path):
+    redis.Redis.from_url(private_redis.url).flushall()
+    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="tr", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
+                       lease_s=2.0, heartbeat_s=0.2, node_refresh_s=0.1, shm_dir=str(tmp_path))
+    a, b = WireNode(cfg, "node-a" * 4, "kvnode-a"), WireNode(cfg, "node-b" * 4, "kvnode-b")
+    yield a, b
+    for n in (a, b):
+        if not n._closed:
+            n.shutdown()
+
+
+def test_clients_read_the_table_their_node_relays_and_redis_when_it_stops(two_nodes):
+    a, b = two_nodes
+    clients = [connect_local(SPEC, a.node) for _ in range(3)]
+    try:
+        reads = [Counted(c.directory) for c in clients]
+        time.sleep(1.0)  # ten of the clients' refreshes
+        for c, r in zip(clients, reads):
+            assert set(c.view.table().by_node()) == {a.node_id, b.node_id}
+            assert c.view.age_s < 0.5 and c.view.allow()
+            assert r.calls == 0  # none of them asked Redis: node A did, for all three
+        assert os.path.exists(a.view.publish.path)
+        # B leaves: the clients learn it from A's relay
+        b.shutdown()
+        wait_until(lambda: all(set(c.view.table().by_node()) == {a.node_id} for c in clients), 3)
+        assert all(r.calls == 0 for r in reads)
+        # A dies without a word (its relay file stays, and goes stale): the clients read Redis themselves
+        a.die()
+        wait_until(lambda: all(r.calls > 0 for r in reads), 3)
+        assert all(c.view.age_s < 0.5 for c in clients)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_relayed_table_does_not_hide_a_dead_directory(tmp_path):
+    server = RedisServer()
+    try:
+        cfg = KVMeshConfig(redis_url=server.url, key_prefix="tr", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
+                           lease_s=2.0, heartbeat_s=0.2, node_refresh_s=0.1, lookup_timeout_s=0.3,
+                           shm_dir=str(tmp_path))
+        a = WireNode(cfg, "node-a" * 4, "kvnode-a")
+        c = connect_local(SPEC, a.node)
+        try:
+            wait_until(lambda: c.view.age_s < 0.3, 3)
+            server.kill()
+            # A's refreshes fail, its relay goes stale, the client's own read fails: its breaker opens
+            wait_until(lambda: not c.view.allow(), 5)
+        finally:
+            c.close()
+            a.die()
+    finally:
+        server.stop()
+    assert remove_stale_slabs(str(tmp_path)) == 0  # (A's process is this one: its files are not stale)

@@ -122,7 +122,7 @@ def test_the_bounded_load_guard_spreads_a_flood_of_one_prefix(app, mesh):
     while len(peaks) < 3 and time.monotonic() < deadline:
         peaks.update(app.stats.remote().result() for _ in range(6))
     assert set(served) == set(peaks) == set(mesh.node_ids)  # every replica took part
-    assert served[holder] == max(served.values())  # the holder still took the most
+    assert served[holder] >= n // 3  # the holder still took at least its share (it is first while under the cap)
     # at most ceil((1 + eps) * n / 3) in flight on any replica, give or take the few routing decisions Serve makes
     # concurrently before their sends are counted
     cap = math.ceil((1 + EPS) * n / 3)

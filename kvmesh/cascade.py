@@ -25,6 +25,7 @@ also writes every chunk that lands in the CPU tier, so a restarted node finds ev
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -88,6 +89,9 @@ class Cascade:
     _pool_made: int = 0
     _corrupt: list = field(default_factory=list)  # disk chunks that failed their checksum in run_reads
     _pending: dict = field(default_factory=dict)  # key -> WriteJob of a write-back still in memory
+    # called for each chunk the CPU slab evicts, its bytes still in place: (slot, record, tier it is left in or
+    # None when it leaves the node); the node's cluster eviction (lastcopy.py) decides there what to save
+    on_leave: Callable[[int, object, int | None], None] | None = None
 
     def __post_init__(self) -> None:
         assert self.write_policy in WRITE_POLICIES, self.write_policy
@@ -117,6 +121,14 @@ class Cascade:
 
     def holds(self, key: bytes) -> bool:
         return any(key in t._by_key for t in self._tiers())
+
+    def pinned(self, key: bytes) -> bool:
+        """Whether a reader (or a writer) holds a pin on the chunk in any tier."""
+        for t in self._tiers():
+            i = t._by_key.get(key)
+            if i is not None and t.record(i).pins:
+                return True
+        return False
 
     # -- placing ------------------------------------------------------------------------------------------------
     def prepare(self, key: bytes, group: bytes, nbytes: int, protect=frozenset()) -> StoreTicket | None:
@@ -165,6 +177,8 @@ class Cascade:
                 if self._queue_write(slot):
                     self.counts["demotions"] += 1
             below = self._best_except(key, tier)
+            if tier is self.cpu and self.on_leave is not None:
+                self.on_leave(slot, rec, below)
             if below is None:
                 self.counts["drops"] += 1
             self.changes[(rec.group, key)] = below

@@ -59,6 +59,14 @@ class KVMeshConfig:
     replicate_window_s: float = 60.0
     replicate_max_bytes: int = 0  # bound on the bytes of replicas one node keeps; 0 = only its tiers bound them
 
+    # cluster eviction: a chunk leaving a node's last tier that other nodes read within last_copy_window_s, and of
+    # which no other copy is known, is handed to the live peer with the most room instead of dropped, when the
+    # recompute it would cost (at recompute_bytes_per_s of KV made by prefill) outweighs the move; at most
+    # handoff_max_bytes wait for a handoff at once. last_copy_window_s 0 = off
+    last_copy_window_s: float = 60.0
+    recompute_bytes_per_s: int = 256 * MiB
+    handoff_max_bytes: int = 64 * MiB
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # (annotations are strings here: `from __future__ import annotations`)
             v = getattr(self, f.name)
@@ -94,6 +102,17 @@ class KVMeshConfig:
                 or self.replicate_max_bytes < 0):
             raise ValueError(f"KVMeshConfig.replicate_max_bytes must be a non-negative integer, "
                              f"got {self.replicate_max_bytes!r}")
+        if (isinstance(self.recompute_bytes_per_s, bool) or not isinstance(self.recompute_bytes_per_s, int)
+                or self.recompute_bytes_per_s <= 0):
+            raise ValueError(f"KVMeshConfig.recompute_bytes_per_s must be a positive integer, "
+                             f"got {self.recompute_bytes_per_s!r}")
+        if (isinstance(self.handoff_max_bytes, bool) or not isinstance(self.handoff_max_bytes, int)
+                or self.handoff_max_bytes < 0):
+            raise ValueError(f"KVMeshConfig.handoff_max_bytes must be a non-negative integer, "
+                             f"got {self.handoff_max_bytes!r}")
+        v = self.last_copy_window_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"KVMeshConfig.last_copy_window_s must be a non-negative number, got {v!r}")
         if self.cpu_bytes < self.slot_bytes:
             raise ValueError(f"KVMeshConfig.cpu_bytes ({self.cpu_bytes}) must hold at least one slot "
                              f"of slot_bytes ({self.slot_bytes})")

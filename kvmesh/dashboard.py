@@ -111,7 +111,8 @@ class Dashboard:
                           "demotions": s.get("demotions", 0), "promotions": s.get("promotions", 0),
                           "corrupt_dropped": s.get("corrupt_dropped", 0),
                           "replicated_chunks": s.get("replicated_chunks", 0),
-                          "replicated_bytes": s.get("replicated_bytes", 0)})
+                          "replicated_bytes": s.get("replicated_bytes", 0),
+                          "saved_last_copies": s.get("saved_last_copies", 0)})
         for node_id in table.dead:
             s = stats.get(node_id, {})
             nodes.append({"node_id": node_id, "incarnation": s.get("incarnation"), "alive": False,

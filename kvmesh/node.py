@@ -51,12 +51,13 @@ from kvmesh.dataplane.sources import Env
 from kvmesh.directory import FIELD_BYTES, Directory
 from kvmesh.handle import NodeHandle, NodeHello, Pinned, Pulled
 from kvmesh.janitor import Janitor
+from kvmesh.lastcopy import LastCopies
 from kvmesh.nodeview import NodeView, TableFile
 from kvmesh.pullthrough import PullThrough
 from kvmesh.registrar import Registrar
 from kvmesh.replication import Replicas
 from kvmesh.telemetry import RayExporter, Records, export_node_stats
-from kvmesh.tiers import TIER_NAMES, checksum
+from kvmesh.tiers import TIER_DISK, TIER_NAMES, checksum
 from kvmesh.tiers.cpu import CpuTier
 from kvmesh.transport import DataClient, DataServer
 from kvmesh.tiers.slots import StoreTicket
@@ -171,6 +172,11 @@ class KVNode:
                                                                self.view, self._peers, self._pull_pool)),
                                              self._count)
         self._records = Records(self.directory.redis, cfg.key_prefix)
+        # the last copies of chunks other nodes read: handed to a peer instead of dropped (cluster eviction)
+        self.last_copies = LastCopies(node_id, cfg.last_copy_window_s, cfg.handoff_max_bytes,
+                                      cfg.recompute_bytes_per_s, self._count, self.directory, self._records.k_stats,
+                                      lambda n: self.peers(n))
+        self.cascade.on_leave = self._on_leave
         self._ray_metrics = RayExporter()
         self._last_published: dict = {}
         self._stop = threading.Event()
@@ -291,6 +297,8 @@ class KVNode:
             rec = self.tier.record(s)
             nbytes += rec.nbytes
             self._group_hits[rec.group] += 1
+            if requester != self.node_id and rec.key is not None:
+                self.last_copies.read_by_peer(rec.key)
         self._served[requester] += nbytes
         if len(self._group_hits) > 4096:  # keep the top ones only
             self._group_hits = Counter(dict(self._group_hits.most_common(1024)))
@@ -379,6 +387,13 @@ class KVNode:
             self._drop_transient(req.keys)
         return pinned
 
+    def _on_leave(self, slot: int, rec, below: int | None) -> None:
+        """Caller (the cascade, evicting from the slab) holds the lock; the chunk's bytes are still in `slot`."""
+        if below is not None and below != TIER_DISK:
+            return  # (a copy stays in the GPU tier above)
+        self.last_copies.leaving(rec.key, rec.group, rec.nbytes, rec.checksum, lambda: self.tier.chunk_view(slot),
+                                 below is not None, self.replicas.is_replica(rec.key))
+
     def _registrable(self) -> list[tuple[bytes, bytes, int]]:
         """Caller holds the lock: what the directory should list (every chunk held, but those a pull-through
         brought only for its readers)."""
@@ -386,22 +401,8 @@ class KVNode:
 
     def _drop_transient(self, keys) -> None:
         """Caller holds the lock: forget the transient chunks among `keys` that no reader pins any more (a pinned
-        one is dropped at its last unpin). They were never registered, so the directory hears nothing."""
-        for key in keys:
-            group = self.replicas.transient_group(key)
-            if group is None or self._pinned_anywhere(key):
-                continue
-            self.replicas.drop_transient(key)
-            self.cascade.discard(key)
-            self.cascade.changes.pop((group, key), None)
-            self.stats_counts["transient_dropped"] += 1
-
-    def _pinned_anywhere(self, key: bytes) -> bool:
-        for t in self.cascade._tiers():
-            i = t._by_key.get(key)
-            if i is not None and t.record(i).pins:
-                return True
-        return False
+        one goes at its last unpin). Never registered, so the directory hears nothing."""
+        self.stats_counts["transient_dropped"] += self.replicas.drop_unpinned(keys, self.cascade)
 
     # -- stores --------------------------------------------------------------------------------------------------
     def store(self, items: list[StoreItem], buf: np.ndarray) -> int:
@@ -697,6 +698,8 @@ class KVNode:
                          gpu_capacity_bytes=gpu.num_slots * gpu.slot_bytes)
             d["tiers"] = [{"tier": TIER_NAMES[t.tier_id], "chunks": len(t), "used_bytes": t.used_bytes,
                            "capacity_bytes": t.num_slots * t.slot_bytes} for t in self.cascade._tiers()]
+            d.update(self.last_copies.counts)
+            d["saved_last_copies"] = d["last_copy_saved_disk"] + d.get("handoff_ok", 0)
             d.update(replicated_chunks=self.replicas.replicated_chunks,
                      replicated_bytes=self.replicas.replicated_bytes, transient_chunks=self.replicas.transient_chunks)
             d["served_bytes"] = dict(self._served)
@@ -741,6 +744,7 @@ class KVNode:
             self.data_server.shutdown()
         self._peers.close()
         self._pull_pool.shutdown(wait=False)
+        self.last_copies.shutdown()
         with self.lock:
             held = self._registrable()
         self.registrar.shutdown(held)

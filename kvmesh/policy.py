@@ -6,6 +6,9 @@
     evict(n, can_evict)  either forgets and returns exactly n keys, least recently used first, skipping keys for
                          which can_evict(key) is False, or returns None and changes nothing
 
+    save_last_copy(Leaving, ...) -> bool   pure: whether a chunk about to leave its node for good is worth handing
+                                           to a peer (cluster eviction, `lastcopy.py`)
+
 Tiers touch a prefix's chunks last-to-first, so a prompt's first chunk is the most recent and the tail of a prefix
 is evicted before its head: what stays cached is still a prefix.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -54,3 +58,31 @@ class LRUPolicy(Generic[K]):
         for key in victims:
             del self._order[key]
         return victims
+
+
+# -- cluster eviction: the last copy of a chunk that other nodes read ---------------------------------------------
+HANDOFF_LATENCY_S = 0.002  # fixed cost of one handoff (a directory check and an actor call), on top of the bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Leaving:
+    """What a node knows, under its lock and without asking anyone, of a chunk about to leave it for good."""
+
+    nbytes: int
+    reads: int  # reads of it by other nodes within the window (this node's own readers do not count)
+    idle_s: float  # seconds since the last of them
+    replica: bool  # this node's copy was pulled from a holder (another copy is known to exist)
+
+
+def save_last_copy(c: Leaving, window_s: float, recompute_bps: float, move_bps: float) -> bool:
+    """Whether a chunk leaving a node should be handed to a peer instead of dropped. Pure.
+
+    Worth it when other nodes read it within `window_s`, no other copy is known, and the recompute its reads are
+    expected to cost again (the reads in the window, fading linearly as it stays idle, each `nbytes /
+    recompute_bps` seconds of prefill) outweighs moving it once (`HANDOFF_LATENCY_S + nbytes / move_bps`): big
+    chunks read once may not be worth a move that small ones are, and a chunk read often is worth more than one
+    read once. Whether it is the cluster's last copy is checked again off the eviction path, in the directory."""
+    if c.replica or c.reads <= 0 or window_s <= 0 or c.idle_s >= window_s or c.nbytes <= 0:
+        return False
+    expected_reads = c.reads * (1.0 - c.idle_s / window_s)
+    return expected_reads * c.nbytes / recompute_bps > HANDOFF_LATENCY_S + c.nbytes / move_bps

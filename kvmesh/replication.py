@@ -13,7 +13,8 @@ once those readers are done is decided here, per pull, for the pulled prompt gro
     is_transient(key)                  reads: the chunk was pulled for readers but not kept (not registered; the
                                        node drops it once its last reader unpins it)
     mark_transient(keys, group)        mutates
-    drop_transient(key) -> bytes|None  mutates: forget a transient chunk (the caller discards it from the tiers)
+    drop_unpinned(keys, cascade) -> int   mutates: forget the transient chunks among keys that no reader pins,
+                                       here and in the cascade's tiers
     left(key)                          mutates: a chunk left this node; a replica's bytes come off the bound
     filter_changes(changes)            mutates `changes` (the cascade's directory changes): transient chunks are
                                        never registered
@@ -123,12 +124,19 @@ class Replicas:
     def is_transient(self, key: bytes) -> bool:
         return key in self._transient
 
-    def transient_group(self, key: bytes) -> bytes | None:
-        entry = self._transient.get(key)
-        return entry[0] if entry is not None else None
-
-    def drop_transient(self, key: bytes) -> None:
-        self._transient.pop(key, None)
+    def drop_unpinned(self, keys, cascade) -> int:
+        """Forget (here and in `cascade`'s tiers) the transient chunks among `keys` that no reader pins; returns
+        how many. Their discards make no directory change: they were never registered."""
+        dropped = 0
+        for key in keys:
+            entry = self._transient.get(key)
+            if entry is None or cascade.pinned(key):
+                continue
+            del self._transient[key]
+            cascade.discard(key)
+            cascade.changes.pop((entry[0], key), None)
+            dropped += 1
+        return dropped
 
     def is_replica(self, key: bytes) -> bool:
         return key in self._kept

@@ -60,6 +60,14 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvmesh_replication_refused_total": ("counter", ("node", "reason"),
                                          "pulled chunks not kept as replicas, by reason: cold (fewer distinct "
                                          "readers than replicate_min_readers), bytes (replicate_max_bytes reached)"),
+    "kvmesh_saved_last_copies_total": ("counter", ("node", "how"),
+                                       "last copies of chunks other nodes read that eviction kept in the cluster: "
+                                       "how disk (demoted to the node's disk) or handoff (pushed to a peer)"),
+    "kvmesh_handoffs_total": ("counter", ("node", "outcome"),
+                              "evicted last copies queued for a handoff, by outcome: ok, not_last (another node "
+                              "holds it), no_target, refused (the target did not store it), failed, busy (too many "
+                              "bytes waiting: dropped at once)"),
+    "kvmesh_handoff_bytes_total": ("counter", ("node",), "bytes handed to peers by cluster eviction"),
 }
 
 _HIST_BOUNDS = [0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0]
@@ -223,6 +231,14 @@ def export_node_stats(ray_exp: RayExporter, node: str, stats: dict, last: dict) 
         key = f"replication_refused_{reason}"
         ray_exp.inc("kvmesh_replication_refused_total", stats.get(key, 0) - last.get(key, 0), node=node,
                     reason=reason)
+    for how, key in (("disk", "last_copy_saved_disk"), ("handoff", "handoff_ok")):
+        ray_exp.inc("kvmesh_saved_last_copies_total", stats.get(key, 0) - last.get(key, 0), node=node, how=how)
+    for outcome in ("ok", "not_last", "no_target", "refused", "failed"):
+        key = f"handoff_{outcome}"
+        ray_exp.inc("kvmesh_handoffs_total", stats.get(key, 0) - last.get(key, 0), node=node, outcome=outcome)
+    ray_exp.inc("kvmesh_handoffs_total", stats.get("handoff_refused_busy", 0) - last.get("handoff_refused_busy", 0),
+                node=node, outcome="busy")
+    ray_exp.inc("kvmesh_handoff_bytes_total", stats.get("handoff_bytes", 0) - last.get("handoff_bytes", 0), node=node)
     ray_exp.set("kvmesh_replicated_bytes", stats.get("replicated_bytes", 0), node=node)
     ray_exp.set("kvmesh_replicated_chunks", stats.get("replicated_chunks", 0), node=node)
     for tier in stats.get("tiers", []):

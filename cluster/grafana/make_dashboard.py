@@ -63,6 +63,11 @@ panels = [
           [("sum(rate(ray_kvmesh_replications_total[1m]))", "kept"),
            ("sum by (reason) (rate(ray_kvmesh_replication_refused_total[1m]))", "refused ({{reason}})")],
           "ops", 12, 56),
+    panel(16, "Cluster eviction: last copies saved (disk, handoff) and handoff outcomes",
+          [("sum by (how) (rate(ray_kvmesh_saved_last_copies_total[5m]))", "saved ({{how}})"),
+           ("sum by (outcome) (rate(ray_kvmesh_handoffs_total[5m]))", "handoff {{outcome}}")], "ops", 0, 64),
+    panel(17, "Bytes handed to peers by cluster eviction",
+          [("sum by (node) (rate(ray_kvmesh_handoff_bytes_total[5m]))", "{{node}}")], "Bps", 12, 64),
 ]
 
 dashboard = {

@@ -92,7 +92,7 @@ class KVMeshClient:
         # the node table as this node's KVNode relays it (one reader of Redis per node), else from Redis
         self._table_file = TableFile.beside(local_slab[0]) if local_slab else None
         self.view = NodeView(relayed(lambda: self._table_file, self.directory.node_table, 2 * config.node_refresh_s),
-                             DIRECTORY_RETRY_S, config.node_refresh_s)
+                             DIRECTORY_RETRY_S, config.node_refresh_s, direct=self.directory.node_table)
         orphans = getattr(local, "orphans", None)  # replies of this client's calls that came too late
         self._orphans: Orphans = orphans if orphans is not None else Orphans()
         self._local = local
@@ -121,7 +121,7 @@ class KVMeshClient:
         except redis.RedisError:
             pass
         self._closed = threading.Event()
-        self.view.refresh()
+        self.view.refresh(direct=True)  # (the relay may predate a node that joined a moment ago)
         self._refresher = threading.Thread(target=self._refresh_loop, name="kvmesh-client-nodes", daemon=True)
         self._refresher.start()
 
@@ -175,7 +175,8 @@ class KVMeshClient:
             return [], "directory_error"
         t0 = time.monotonic()
         try:
-            out = self.directory.lookup(group, hashes, self.view.table(), prefer=self.node_id)
+            out = self.directory.lookup(group, hashes, self.view.table(), prefer=self.node_id,
+                                        newer=self.view.current)
         except redis.RedisError as e:
             log.debug("lookup failed: %s", e)
             self.counts["directory_errors"] += 1
@@ -195,7 +196,8 @@ class KVMeshClient:
         if not self.view.allow():
             return [False] * len(hashes)
         try:
-            return [bool(hs) for hs in self.directory.holders(group, hashes, self.view.table(), prefer=self.node_id)]
+            return [bool(hs) for hs in self.directory.holders(group, hashes, self.view.table(), prefer=self.node_id,
+                                                              newer=self.view.current)]
         except redis.RedisError:
             self.counts["directory_errors"] += 1
             self.view.failed()

@@ -61,6 +61,7 @@ import itertools
 import os
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -282,9 +283,15 @@ class NodeTable:
     dead: tuple[str, ...]  # node ids whose lease has lapsed but which have not left
     deadlines: dict[int, int]  # incarnation -> lease deadline (ms, Redis clock) of the live ones
     dead_incarnations: dict[str, int] | None = None  # node id -> the lapsed incarnation, for the janitor's purge
+    read_ms: int = 0  # when it was read from Redis (Redis's clock; 0: at now_ms): a relayed table is older
 
     def by_node(self) -> dict[str, NodeInfo]:
         return {info.node_id: info for info in self.live.values()}
+
+    def newest(self) -> int:
+        """The newest incarnation this table knows (incarnations only grow: an entry naming a newer one was written
+        by a node that joined after this table was read)."""
+        return max([*self.live, *(self.dead_incarnations or {}).values()], default=0)
 
 
 FIELD_BYTES = 6
@@ -628,26 +635,31 @@ class Directory:
                 self._holders_cache[value] = hit
         return hit
 
-    def lookup(self, group: bytes, hashes: list[bytes], table: NodeTable,
-               prefer: str | None = None) -> tuple[list[tuple[Holder, ...]], str | None]:
+    def lookup(self, group: bytes, hashes: list[bytes], table: NodeTable, prefer: str | None = None,
+               newer: Callable[[], NodeTable] | None = None) -> tuple[list[tuple[Holder, ...]], str | None]:
         """One round trip: the live holders of each leading chunk of `hashes` (registered in `group`) that has one,
         and why the run ends before `hashes` does ("not_cached", "holder_dead"; None if it does not). What the
-        client's lookups call."""
-        return self.longest_prefix_why(self.lookup_raw(group, hashes), table, prefer)
+        client's lookups call. `newer()`: a table read now, asked (once) when an entry names an incarnation newer
+        than `table` knows, so a node that joined since `table` was read counts as a holder."""
+        return self.longest_prefix_why(self.lookup_raw(group, hashes), table, prefer, newer)
 
-    def holders(self, group: bytes, hashes: list[bytes], table: NodeTable,
-                prefer: str | None = None) -> list[tuple[Holder, ...]]:
+    def holders(self, group: bytes, hashes: list[bytes], table: NodeTable, prefer: str | None = None,
+                newer: Callable[[], NodeTable] | None = None) -> list[tuple[Holder, ...]]:
         """One round trip: the live holders of every chunk of `hashes` (an empty tuple where none), not only of the
-        leading run: what a store checks to skip the chunks already cached."""
-        return [r[0] if (r := self.longest_prefix([v], table, prefer)) else ()
-                for v in self.lookup_raw(group, hashes)]
+        leading run: what a store checks to skip the chunks already cached. `newer`: as in `lookup`."""
+        values = self.lookup_raw(group, hashes)
+        if newer is not None and any(inc > table.newest() for v in set(values) if v
+                                     for inc, _ in self.decode_holders(v)):
+            table = newer()
+        return [r[0] if (r := self.longest_prefix([v], table, prefer)) else () for v in values]
 
     def longest_prefix(self, values: list[bytes | None], table: NodeTable,
                        prefer: str | None = None) -> list[tuple[Holder, ...]]:
         return self.longest_prefix_why(values, table, prefer)[0]
 
-    def longest_prefix_why(self, values: list[bytes | None], table: NodeTable,
-                           prefer: str | None = None) -> tuple[list[tuple[Holder, ...]], str | None]:
+    def longest_prefix_why(self, values: list[bytes | None], table: NodeTable, prefer: str | None = None,
+                           newer: Callable[[], NodeTable] | None = None
+                           ) -> tuple[list[tuple[Holder, ...]], str | None]:
         """Holders of each leading chunk that has at least one live holder: the node `prefer` (the caller's own)
         first, then by tier (GPU, CPU, disk). Runs of chunks share one entry value, so each distinct value is
         decoded and filtered once per call."""
@@ -660,6 +672,8 @@ class Directory:
                 break
             row = memo.get(v)
             if row is None:
+                if newer is not None and any(inc > table.newest() for inc, _ in self.decode_holders(v)):
+                    table, newer = newer(), None  # a node joined since `table` was read
                 hs = [Holder(info.node_id, inc, tier) for inc, tier in self.decode_holders(v)
                       if (info := table.live.get(inc)) is not None]
                 row = memo[v] = tuple(sorted(hs, key=lambda h: (h.node_id != prefer, h.tier)))
@@ -676,7 +690,8 @@ class Directory:
         value = msgpack.packb([LOAD_VERSION, node_id, int(pending_prefill_tokens), int(queue_depth)])
         return int(self._report_load(keys=[self._k_load, self._k_load_at], args=[replica_id, value, keep_ms]))
 
-    def lookup_with_loads(self, group: bytes, hashes: list[bytes], table: NodeTable, prefer: str | None = None
+    def lookup_with_loads(self, group: bytes, hashes: list[bytes], table: NodeTable, prefer: str | None = None,
+                          newer: Callable[[], NodeTable] | None = None
                           ) -> tuple[list[tuple[Holder, ...]], str | None, list[LoadRecord]]:
         """`lookup` and every replica's last load report in one round trip: the HMGET and the two HGETALLs go out
         together on this thread's connections (one in plain Redis; in Redis Cluster the group's server and the
@@ -708,7 +723,7 @@ class Directory:
                 if c is not None:
                     c.disconnect()  # reconnects on the next command
             raise
-        holders, why = self.longest_prefix_why(values, table, prefer)
+        holders, why = self.longest_prefix_why(values, table, prefer, newer)
         return holders, why, self._loads(raw, at)
 
     @staticmethod

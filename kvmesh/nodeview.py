@@ -5,7 +5,10 @@ each own one (a KVNode's pull-throughs need peers' addresses too).
                                the time elapsed here since the read)
     info(node_id[, inc]) -> NodeInfo   reads: a live node's record; the table is read again first if it is
                                older than `max_age_s`, or does not know incarnation `inc` of the node
-    refresh() -> bool          mutates: reads the node table (closes the breaker when the directory answered)
+    refresh(direct=False) -> bool   mutates: reads the node table (closes the breaker when the directory answered);
+                               `direct`: from the directory itself, never a relay
+    current() -> NodeTable     mutates: reads the table from the directory now and returns it (an entry named an
+                               incarnation newer than the view knows: a node joined since)
     allow() -> bool            reads: False while the breaker is open (a directory call failed within `retry_s`
                                and no refresh has reached the directory since): callers skip the directory
     failed() / succeeded()     mutates: what the caller's directory call did
@@ -42,9 +45,11 @@ EMPTY = NodeTable(None, 0, {}, (), {})
 
 class NodeView:
     def __init__(self, read: Callable[[], NodeTable], retry_s: float = 5.0, max_age_s: float = 0.5,
-                 publish: TableFile | None = None) -> None:
-        """`publish`: where each table read is relayed to this node's clients (a KVNode's view)."""
+                 publish: TableFile | None = None, direct: Callable[[], NodeTable] | None = None) -> None:
+        """`publish`: where each table read is relayed to this node's clients (a KVNode's view); `direct`: the
+        directory's own read where `read` may answer from a relay (a client's view)."""
         self._read = read
+        self._direct = direct or read
         self.publish = publish
         self.retry_s = retry_s
         self.max_age_s = max_age_s
@@ -58,7 +63,7 @@ class NodeView:
             t, at = self._table, self._at
         now_ms = t.now_ms + int((time.monotonic() - at) * 1000)
         live = {inc: info for inc, info in t.live.items() if t.deadlines.get(inc, 0) > now_ms}
-        return NodeTable(t.epoch, now_ms, live, t.dead, t.deadlines, t.dead_incarnations)
+        return NodeTable(t.epoch, now_ms, live, t.dead, t.deadlines, t.dead_incarnations, read_at(t))
 
     @property
     def age_s(self) -> float:
@@ -72,9 +77,11 @@ class NodeView:
             found = self.table().by_node().get(node_id)
         return found
 
-    def refresh(self) -> bool:
+    def refresh(self, direct: bool = False) -> bool:
         try:
-            table = self._read()
+            table = (self._direct if direct else self._read)()
+            if not direct and self._direct is not self._read and read_at(table) < read_at(self._table):
+                table = self._direct()  # the relay is older than what this view has: never go back in time
         except redis.RedisError:
             self.failed()
             return False
@@ -85,6 +92,10 @@ class NodeView:
             self.publish.write(table, self._at)
         return True
 
+    def current(self) -> NodeTable:
+        self.refresh(direct=True)
+        return self.table()
+
     def allow(self) -> bool:
         return time.monotonic() >= self._open_until
 
@@ -94,6 +105,11 @@ class NodeView:
 
     def succeeded(self) -> None:
         self._open_until = 0.0
+
+
+def read_at(table: NodeTable) -> int:
+    """When `table` was read from Redis, on Redis's clock."""
+    return table.read_ms or table.now_ms
 
 
 class TableFile:
@@ -108,8 +124,8 @@ class TableFile:
         """`at`: when `table` was read (time.monotonic(), one clock for every process of the machine)."""
         data = msgpack.packb([TABLE_FILE_VERSION, at, table.epoch, table.now_ms,
                               [[inc, info.pack()] for inc, info in table.live.items()], list(table.dead),
-                              list(table.deadlines.items()), list((table.dead_incarnations or {}).items())],
-                             use_bin_type=True)
+                              list(table.deadlines.items()), list((table.dead_incarnations or {}).items()),
+                              read_at(table)], use_bin_type=True)
         tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}"
         try:
             with open(tmp, "wb") as f:
@@ -134,7 +150,7 @@ class TableFile:
                 return None
             live = {int(inc): NodeInfo.unpack(raw, incarnation=int(inc)) for inc, raw in o[4]}
             return NodeTable(o[2], int(o[3]) + int(age * 1000), live, tuple(o[5]),
-                             {int(i): int(d) for i, d in o[6]}, {str(n): int(i) for n, i in o[7]})
+                             {int(i): int(d) for i, d in o[6]}, {str(n): int(i) for n, i in o[7]}, int(o[8]))
         except (OSError, ValueError, TypeError, IndexError, msgpack.ExtraData, msgpack.FormatError,
                 msgpack.StackError):
             return None

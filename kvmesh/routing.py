@@ -179,7 +179,7 @@ def route(client, tokens, candidates, cache_salt=None, *, prefill_tokens_per_s: 
     table = client.view.table()
     try:
         holders, _, loads = client.directory.lookup_with_loads(hashes[0] if hashes else b"", hashes, table,
-                                                               prefer=client.node_id)
+                                                               prefer=client.node_id, newer=client.view.current)
     except redis.RedisError:
         client.counts["route_directory_errors"] += 1
         client.view.failed()

@@ -49,6 +49,11 @@ def test_clients_read_the_table_their_node_relays_and_redis_when_it_stops(two_no
     clients = [connect_local(SPEC, a.node) for _ in range(3)]
     try:
         reads = [Counted(c.directory) for c in clients]
+        # a client reads Redis itself when it starts, and again while A's relay is older than that read
+        time.sleep(0.5)
+        for r in reads:
+            assert r.calls <= 2
+            r.calls = 0
         time.sleep(1.0)  # ten of the clients' refreshes
         for c, r in zip(clients, reads):
             assert set(c.view.table().by_node()) == {a.node_id, b.node_id}
@@ -87,3 +92,34 @@ def test_a_relayed_table_does_not_hide_a_dead_directory(tmp_path):
     finally:
         server.stop()
     assert remove_stale_slabs(str(tmp_path)) == 0  # (A's process is this one: its files are not stale)
+
+
+def test_a_node_that_joined_after_the_relayed_table_counts_as_a_holder_at_once(private_redis, tmp_path):
+    # The relay refreshes every 5 s here: it is surely older than node C. An entry naming C's (newer) incarnation
+    # makes the client read the table from Redis then, instead of calling the prefix uncached until its refresh.
+    import torch
+
+    redis.Redis.from_url(private_redis.url).flushall()
+    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="tr", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
+                       lease_s=20.0, heartbeat_s=1.0, node_refresh_s=5.0, shm_dir=str(tmp_path))
+    a = WireNode(cfg, "node-a" * 4, "kvnode-a")
+    reader_client = connect_local(SPEC, a.node)
+    time.sleep(0.3)
+    reader_client.view.refresh()  # from A's relay, which predates C
+    c = WireNode(cfg, "node-c" * 4, "kvnode-c")
+    writer = connect_local(SPEC, c.node)
+    try:
+        assert c.node_id not in reader_client.view.table().by_node()
+        toks = list(range(100, 148))
+        kv = torch.randn(SPEC.kv_shape(len(toks))).to(torch.float16)
+        assert writer.store(toks, kv) == 3
+        wait_until(lambda: writer.lookup(toks).num_chunks == 3, 5)
+        match = reader_client.lookup(toks)
+        assert match.num_chunks == 3
+        got = reader_client.fetch(match)
+        assert torch.equal(got, kv[:, :, :48])
+    finally:
+        for cl in (reader_client, writer):
+            cl.close()
+        for n in (a, c):
+            n.shutdown()

@@ -46,7 +46,7 @@ from kvmesh.dataplane.fetcher import Fetcher, FetchOptions
 from kvmesh.dataplane.gpureads import GpuReads
 from kvmesh.dataplane.sinks import DeviceSink, HostSink
 from kvmesh.dataplane.sources import Env
-from kvmesh.directory import Directory, Holder, probe
+from kvmesh.directory import Directory, Holder, horizon_for, probe
 from kvmesh.handle import LocalHandle, NodeHandle, Orphans
 from kvmesh.hashing import HASH_BYTES, as_tokens, chunk_hashes, salt_bytes
 from kvmesh.match import ChunkMatch, FetchStats, Match, StoreResult
@@ -89,6 +89,7 @@ class KVMeshClient:
         self.cost = CostModel({"local": LinkModel(measure_memcpy_bps() / 2, 1e-3), "peer": LinkModel(1e9, 2e-3),
                                "local-disk": LinkModel(5e8, 5e-3), "peer-disk": LinkModel(4e8, 6e-3)})
         self.directory = Directory(config.redis_url, config.key_prefix, timeout_s=config.lookup_timeout_s)
+        self.directory.table_horizon_ms = horizon_for(config.node_refresh_s)
         # the node table as this node's KVNode relays it (one reader of Redis per node), else from Redis
         self._table_file = TableFile.beside(local_slab[0]) if local_slab else None
         self.view = NodeView(relayed(lambda: self._table_file, self.directory.node_table, 2 * config.node_refresh_s),

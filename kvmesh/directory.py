@@ -243,6 +243,12 @@ return {t[1], t[2], epoch, ver, {}, redis.call('ZRANGEBYSCORE', KEYS[3], '-inf',
 """
 
 
+def horizon_for(node_refresh_s: float) -> int:
+    """`Directory.table_horizon_ms` for readers that refresh every `node_refresh_s`: a client may judge liveness
+    from a table its node relayed up to 2 refreshes ago, a refresh later still."""
+    return max(3000, int(4000 * node_refresh_s))
+
+
 def _pairs(flat: list) -> dict:
     return dict(zip(flat[::2], flat[1::2]))
 
@@ -397,7 +403,9 @@ class Directory:
         self._table_lock = threading.Lock()
         self._table_ver, self._table_epoch = b"", b""
         self._rows: dict[bytes, tuple[int, bytes | None]] = {}
-        self.table_horizon_ms = 3000  # node_table: leases further off than this are read only on a membership change
+        # node_table: leases further off than this are read only on a membership change; it must exceed how long a
+        # reader goes between reads (horizon_for)
+        self.table_horizon_ms = 3000
         self._join = self._redis.register_script(_JOIN)
         self._heartbeat = self._redis.register_script(_HEARTBEAT)
         self._leave = self._redis.register_script(_LEAVE)

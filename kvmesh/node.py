@@ -48,7 +48,7 @@ from kvmesh.cascade import Cascade
 from kvmesh.config import KVMeshConfig
 from kvmesh.dataplane.fetcher import Fetcher
 from kvmesh.dataplane.sources import Env
-from kvmesh.directory import FIELD_BYTES, Directory
+from kvmesh.directory import FIELD_BYTES, Directory, horizon_for
 from kvmesh.handle import NodeHandle, NodeHello, Pinned, Pulled
 from kvmesh.janitor import Janitor
 from kvmesh.lastcopy import LastCopies
@@ -148,6 +148,7 @@ class KVNode:
             self.info = NodeInfo(node_id, actor_name, path, num_slots * cfg.slot_bytes, cfg.slot_bytes,
                                  self.data_server.address if self.data_server else "")
             self.directory = Directory(cfg.redis_url, cfg.key_prefix)
+            self.directory.table_horizon_ms = horizon_for(cfg.node_refresh_s)
             # what pull-throughs keep (hot-prefix replicas) and what they only brought for their readers
             self.replicas = Replicas(self.directory.redis, cfg.key_prefix, node_id, cfg.replicate_min_readers,
                                      cfg.replicate_window_s, cfg.replicate_max_bytes)

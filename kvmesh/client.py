@@ -357,12 +357,14 @@ class KVMeshClient:
             h = c.holders[0]
             source = "local" if h.node_id == self.node_id else "peer"
             self.counts[f"fetched_bytes:{source}:{TIER_NAMES[h.tier]}:{device.type}"] += cb
-        prev = 0.0
-        for r in st.runs:  # runs overlap, so each run's time is an upper bound on its own transfer
-            if r.delivered:
-                self.cost.observe_transfer(r.link, r.delivered * cb, r.seconds - prev)
-                self._samples.append(("transfer", r.link, r.seconds - prev))
-            prev = r.seconds
+        per_link: dict[str, tuple[int, float]] = {}
+        for r in st.runs:  # every run begins at once and they complete in order: a source's bytes were all in by
+            if r.delivered:  # its last run's time from the fetch's start (an upper bound), as the cost model's
+                nbytes, _ = per_link.get(r.link, (0, 0.0))  # parallel sources (the slowest one's time) read it
+                per_link[r.link] = (nbytes + r.delivered * cb, r.seconds)
+        for link, (nbytes, seconds) in per_link.items():
+            self.cost.observe_transfer(link, nbytes, seconds)
+            self._samples.append(("transfer", link, seconds))
         if st.corrupt:
             self.counts["fetch_checksum_failures"] += st.corrupt
         if got < n:

@@ -162,12 +162,14 @@ class CostModel:
         counts = {s: np.concatenate([[0], np.cumsum([x == s for x in sources])]) for s in names}
 
         def load(first: np.ndarray, end: np.ndarray) -> np.ndarray:
-            """Seconds to load chunks [first, end): one transfer per source (its latency counted once)."""
+            """Seconds to load chunks [first, end): one transfer per source (its latency counted once), the
+            sources in parallel (the fetcher begins every run at once: this node's slab is read while peers'
+            runs are received on pool threads), so the slowest source's time, not the sum."""
             total = np.zeros(np.broadcast(first, end).shape)
             for s in names:
                 nbytes = (counts[s][end] - counts[s][first]) * chunk_bytes
                 link = self.link(s)
-                total += np.where(nbytes > 0, link.latency_s + nbytes / link.bandwidth_bps, 0.0)
+                total = np.maximum(total, np.where(nbytes > 0, link.latency_s + nbytes / link.bandwidth_bps, 0.0))
             return total
 
         coef = self.prefill._coef

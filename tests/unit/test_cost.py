@@ -65,3 +65,20 @@ def test_without_observations_the_plan_loads_all_and_says_why():
     plan = CostModel().plan(1000, 256, 1 << 20, ["peer"] * 3)
     assert (plan.front, plan.end, plan.reason) == (0, 3, "no estimate")
     assert CostModel().plan(1000, 256, 1, []).reason == "no match"
+
+
+def test_sources_load_in_parallel_so_a_mix_costs_its_slowest_source():
+    # the fetcher begins every run at once: 4 chunks from this node's slab and 2 from a peer take as long as the
+    # slower of the two transfers, not their sum, so "4 local + 2 peer" never prices above "6 from the peer"
+    cm = CostModel({"local": LinkModel(10e9, 1e-3), "peer": LinkModel(1e9, 5e-3)}, margin=1.0)
+    for n in (256, 1024, 4096):
+        cm.prefill.observe(n, 0, 1e-3 * n)  # 1 ms a token: loading always wins
+    cb, c = 1 << 20, 256
+    mixed = cm.plan(7 * c, c, cb, ["local"] * 4 + ["peer"] * 2, allow_split=False)
+    peer = cm.plan(7 * c, c, cb, ["peer"] * 6, allow_split=False)
+    rest = cm.prefill.seconds(c, 6 * c)
+    assert mixed.reason == peer.reason == "load" and mixed.end == peer.end == 6
+    t_local, t_peer = cm.links["local"].seconds(4 * cb), cm.links["peer"].seconds(2 * cb)
+    assert mixed.est_reuse_s == pytest.approx(max(t_local, t_peer) + rest)
+    assert peer.est_reuse_s == pytest.approx(cm.links["peer"].seconds(6 * cb) + rest)
+    assert mixed.est_reuse_s < peer.est_reuse_s

@@ -277,6 +277,7 @@ class LoadRecord:
     pending_prefill_tokens: int  # prompt tokens queued or being prefilled there
     queue_depth: int  # requests queued or running there
     at_ms: int  # when it was reported, ms on Redis's clock (NodeTable.now_ms is the same clock)
+    prefill: tuple[float, ...] | None = None  # the replica's measured prefill model (PrefillModel's fit), if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -693,9 +694,11 @@ class Directory:
 
     # -- load reports: where serving replicas stand (kvmesh.routing) ----------------------------------------------
     def report_load(self, replica_id: str, node_id: str, pending_prefill_tokens: int, queue_depth: int,
-                    keep_ms: int) -> int:
-        """Record a replica's load, stamped with Redis's clock (returned, ms); reports older than `keep_ms` go."""
-        value = msgpack.packb([LOAD_VERSION, node_id, int(pending_prefill_tokens), int(queue_depth)])
+                    keep_ms: int, prefill: tuple[float, ...] | None = None) -> int:
+        """Record a replica's load (and its measured prefill model's coefficients, when it has one), stamped with
+        Redis's clock (returned, ms); reports older than `keep_ms` go."""
+        value = msgpack.packb([LOAD_VERSION, node_id, int(pending_prefill_tokens), int(queue_depth)] +
+                              ([[float(x) for x in prefill]] if prefill is not None else []))
         return int(self._report_load(keys=[self._k_load, self._k_load_at], args=[replica_id, value, keep_ms]))
 
     def lookup_with_loads(self, group: bytes, hashes: list[bytes], table: NodeTable, prefer: str | None = None,
@@ -743,12 +746,15 @@ class Directory:
         out = []
         for rid, value in raw.items():
             try:
-                version, node_id, pending, depth = msgpack.unpackb(value)[:4]
+                fields = msgpack.unpackb(value)
+                version, node_id, pending, depth = fields[:4]
+                prefill = tuple(float(x) for x in fields[4]) if len(fields) > 4 and fields[4] else None
                 stamp = int(at[rid])
             except (ValueError, TypeError, KeyError, msgpack.UnpackException):
                 continue
             if version == LOAD_VERSION:
-                out.append(LoadRecord(rid.decode(errors="replace"), str(node_id), int(pending), int(depth), stamp))
+                out.append(LoadRecord(rid.decode(errors="replace"), str(node_id), int(pending), int(depth), stamp,
+                                      prefill))
         return out
 
     # -- spec registry: which specs of a model exist, so a miss can say "spec mismatch" -------------------------

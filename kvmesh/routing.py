@@ -17,20 +17,25 @@ How a candidate on node N is priced (whole chunks; the last prompt token is alwa
     pulled from another live holder (its fastest tier);
   - the cost model's plan for that mix of sources (load all / compute the front while the rest loads /
     recompute: whatever it estimates fastest), `recompute_tokens` being what the plan computes;
-  - the queue wait: the pending prefill tokens N's replica reported, prefilled at the model's rate;
+  - the queue wait: the pending prefill tokens N's replica reported, prefilled at its rate, or the caller's own
+    estimate of the work it sent there and has not seen complete (`queued_s`, a router's in-flight requests),
+    whichever is longer;
   - `expected_ttft_s` = queue wait + the plan's time to the end of prefill.
-The prefill rate is the client's fitted model once it has observed prefills (integrations feed it), else a linear
-prior at `prefill_tokens_per_s`. A load report older than `LOAD_STALE_LEASES` lease periods (Redis's clock, as
-leases) reads as unknown (`load=None`: no queue wait is added). A directory that fails gives every candidate
+The prefill rate is the one the candidate's replica measured and reported with its load (`report_load` sends the
+reporting client's fitted prefill model once it has observed prefills), else the calling client's own fitted
+model, else a linear prior at `prefill_tokens_per_s` (a router's process runs no model: it observes none). A load
+report older than `LOAD_STALE_LEASES` lease periods (Redis's clock, as leases) reads as unknown (`load=None`: no
+queue wait is added). A directory that fails gives every candidate
 `known=False, expected_ttft_s=None, why="directory_error"`, never an exception.
 """
 
 from __future__ import annotations
 
 import string
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import redis
 
 from kvmesh.cost import CostModel, PrefillModel
@@ -61,6 +66,7 @@ class ReportedLoad:
     queue_depth: int
     age_s: float  # of the oldest report it sums
     replicas: int  # how many reports it sums (a bare node id: every replica on the node)
+    prefill: tuple[float, ...] | None = None  # the replica's measured prefill model (coefficients), if reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +80,8 @@ class RouteEstimate:
     expected_ttft_s: float | None  # None when not known
     known: bool  # False: the directory did not answer; nothing else here is meaningful
     why: str  # "local", "peer", "local+peer" (what the plan loads from), "recompute", "directory_error"
+    queue_wait_s: float | None = None  # the part of expected_ttft_s spent waiting for the queue ahead
+    prefill_s: float | None = None  # the rest: the plan's time to the end of prefill (loads and compute)
 
 
 def parse_candidates(candidates) -> list[Candidate]:
@@ -120,18 +128,42 @@ def _load_of(c: Candidate, loads: list[LoadRecord], now_ms: int, stale_ms: int) 
              (r.replica_id == c.replica_id if c.replica_id is not None else r.node_id == c.node_id)]
     if not fresh or now_ms <= 0:  # (no node table read yet: no clock to judge ages by)
         return None
+    measured = max(fresh, key=lambda r: (r.prefill is not None, r.at_ms)).prefill
     return ReportedLoad(sum(r.pending_prefill_tokens for r in fresh), sum(r.queue_depth for r in fresh),
-                        max(0.0, (now_ms - min(r.at_ms for r in fresh)) / 1000), len(fresh))
+                        max(0.0, (now_ms - min(r.at_ms for r in fresh)) / 1000), len(fresh), measured)
+
+
+def fitted_prefill(coef) -> PrefillModel | None:
+    """A prefill model with a reported fit's coefficients (c, a, b), or None where they are not usable."""
+    try:
+        arr = np.asarray(coef, dtype=float)
+    except (TypeError, ValueError):
+        return None
+    if arr.shape != (3,) or not np.all(np.isfinite(arr)) or np.any(arr < 0) or not arr[1:].any():
+        return None
+    m = PrefillModel()
+    m._coef = arr
+    return m
 
 
 def estimate(cands: list[Candidate], holders: list[tuple[Holder, ...]], prompt_tokens: int, chunk_tokens: int,
-             chunk_bytes: int, loads: list[LoadRecord], now_ms: int, stale_ms: int, cost: CostModel
-             ) -> list[RouteEstimate]:
+             chunk_bytes: int, loads: list[LoadRecord], now_ms: int, stale_ms: int, cost: CostModel,
+             queued_s: Mapping[str, float] | None = None) -> list[RouteEstimate]:
     """Pure: the estimates, best first (unknown TTFTs last, ties in the given order). `holders`: the live holders
-    of each chunk of the prompt's longest live prefix; `cost` must have a prefill estimate."""
+    of each chunk of the prompt's longest live prefix; `cost` must have a prefill estimate (a candidate whose
+    replica reported a measured one is priced with that); `queued_s`: seconds of work the caller knows it has
+    queued on a candidate (by replica id, else node id)."""
     usable = min(len(holders), (prompt_tokens - 1) // chunk_tokens)
     out = []
+    base = cost
     for c in cands:
+        load = _load_of(c, loads, now_ms, stale_ms)
+        measured = fitted_prefill(load.prefill) if load is not None and load.prefill is not None else None
+        if measured is not None:
+            cost = CostModel(base.links, base.margin)
+            cost.prefill = measured
+        else:
+            cost = base
         local = 0
         while local < usable and any(h.node_id == c.node_id for h in holders[local]):
             local += 1
@@ -149,10 +181,12 @@ def estimate(cands: list[Candidate], holders: list[tuple[Holder, ...]], prompt_t
                 cost.prefill.seconds(prompt_tokens, 0)
             why = "recompute"
         assert prefill_s is not None  # (the cost model has a prefill estimate)
-        load = _load_of(c, loads, now_ms, stale_ms)
         wait = (cost.prefill.seconds(load.pending_prefill_tokens, 0) or 0.0) if load else 0.0
+        if queued_s:
+            wait = max(wait, float(queued_s.get(c.replica_id or c.node_id, 0.0)))
         out.append(RouteEstimate(c.given, c.node_id, local * chunk_tokens, (usable - local) * chunk_tokens,
-                                 prompt_tokens - plan.load_chunks * chunk_tokens, load, wait + prefill_s, True, why))
+                                 prompt_tokens - plan.load_chunks * chunk_tokens, load, wait + prefill_s, True, why,
+                                 wait, prefill_s))
     return sorted(out, key=lambda e: e.expected_ttft_s if e.expected_ttft_s is not None else float("inf"))
 
 
@@ -161,8 +195,8 @@ def unknown(cands: list[Candidate], prompt_tokens: int) -> list[RouteEstimate]:
             for c in cands]
 
 
-def route(client, tokens, candidates, cache_salt=None, *, prefill_tokens_per_s: float | None = None
-          ) -> list[RouteEstimate]:
+def route(client, tokens, candidates, cache_salt=None, *, prefill_tokens_per_s: float | None = None,
+          queued_s: Mapping[str, float] | None = None) -> list[RouteEstimate]:
     """`KVMeshClient.route`: see the module docstring."""
     toks = as_tokens(tokens)
     if len(toks) == 0:
@@ -190,7 +224,7 @@ def route(client, tokens, candidates, cache_salt=None, *, prefill_tokens_per_s: 
         cost.prefill = linear_prefill(float(rate))
     lease_ms = int(client.config.lease_s * 1000)
     return estimate(cands, holders, len(toks), client.spec.chunk_tokens, client.spec.chunk_bytes, loads,
-                    table.now_ms, LOAD_STALE_LEASES * lease_ms, cost)
+                    table.now_ms, LOAD_STALE_LEASES * lease_ms, cost, queued_s)
 
 
 def report_load(client, pending_prefill_tokens: int, queue_depth: int, replica_id: str) -> bool:
@@ -205,9 +239,11 @@ def report_load(client, pending_prefill_tokens: int, queue_depth: int, replica_i
         raise ValueError("report_load needs a client on a Ray node (kvmesh.connect)")
     if not client.view.allow():
         return False
+    coef = client.cost.prefill._coef  # what this replica measured, for the routers' estimates of its queue
     try:
         client.directory.report_load(replica_id, client.node_id, pending_prefill_tokens, queue_depth,
-                                     int(LOAD_KEEP_LEASES * client.config.lease_s * 1000))
+                                     int(LOAD_KEEP_LEASES * client.config.lease_s * 1000),
+                                     tuple(float(x) for x in coef) if coef is not None else None)
     except redis.RedisError:
         client.counts["report_load_errors"] += 1
         client.view.failed()

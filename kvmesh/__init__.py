@@ -12,8 +12,18 @@ from kvmesh.config import KVMeshConfig
 from kvmesh.mesh import start, stop
 from kvmesh.spec import KVFormat, KVGroup, KVSpec
 
-__all__ = ["KVSpec", "KVGroup", "KVFormat", "KVMeshConfig", "KVMeshClient", "Match", "DirectoryUnavailable", "start",
-           "stop", "connect"]
+__all__ = [
+    "KVSpec",
+    "KVGroup",
+    "KVFormat",
+    "KVMeshConfig",
+    "KVMeshClient",
+    "Match",
+    "DirectoryUnavailable",
+    "start",
+    "stop",
+    "connect",
+]
 __version__ = "0.1.0"
 
 

@@ -76,10 +76,21 @@ class Cascade:
     writeback_buffers: int = 16  # chunks that may wait in memory for the disk; beyond that, evictions drop
     # (group, key) -> the chunk's best tier now, or None once no tier holds it; drained by the node
     changes: dict = field(default_factory=dict)
-    counts: dict = field(default_factory=lambda: {"demotions": 0, "promotions": 0, "drops": 0, "host_copies": 0,
-                                                  "disk_writes": 0, "disk_reads": 0, "disk_write_errors": 0,
-                                                  "disk_read_errors": 0, "disk_checksum_failures": 0,
-                                                  "write_buffers_full": 0, "writeback_hits": 0})
+    counts: dict = field(
+        default_factory=lambda: {
+            "demotions": 0,
+            "promotions": 0,
+            "drops": 0,
+            "host_copies": 0,
+            "disk_writes": 0,
+            "disk_reads": 0,
+            "disk_write_errors": 0,
+            "disk_read_errors": 0,
+            "disk_checksum_failures": 0,
+            "write_buffers_full": 0,
+            "writeback_hits": 0,
+        }
+    )
     # chunks and bytes moved between this node's tiers, by (from, to) tier name; evictions by the tier they left
     flows: Counter = field(default_factory=Counter)
     flow_bytes: Counter = field(default_factory=Counter)
@@ -172,8 +183,12 @@ class Cascade:
             if tier is self.gpu and self.cpu.slot_of(key) is None:
                 self._copy(self.gpu, slot, self.cpu)  # demote instead of dropping
                 self.counts["demotions"] += 1
-            elif (tier is self.cpu and self.disk is not None and not self._above_or_on_disk(key)
-                  and key not in self._pending):
+            elif (
+                tier is self.cpu
+                and self.disk is not None
+                and not self._above_or_on_disk(key)
+                and key not in self._pending
+            ):
                 if self._queue_write(slot):
                     self.counts["demotions"] += 1
             below = self._best_except(key, tier)
@@ -182,6 +197,7 @@ class Cascade:
             if below is None:
                 self.counts["drops"] += 1
             self.changes[(rec.group, key)] = below
+
         return on_evict
 
     def _above_or_on_disk(self, key: bytes) -> bool:
@@ -277,8 +293,9 @@ class Cascade:
                 self.counts["host_copies"] += 1
             elif key in self._pending:  # on its way to disk: serve it from the write-back buffer
                 job = self._pending[key]
-                t = self.cpu.prepare_store(key, job.group, job.nbytes, on_evict=self._evicting(self.cpu),
-                                           protect=frozenset(keys))
+                t = self.cpu.prepare_store(
+                    key, job.group, job.nbytes, on_evict=self._evicting(self.cpu), protect=frozenset(keys)
+                )
                 if t is None:
                     break
                 memoryview(self.cpu.buffer(t.slot))[: job.nbytes] = memoryview(job.data)[: job.nbytes]
@@ -287,8 +304,9 @@ class Cascade:
                 self.counts["writeback_hits"] += 1
             elif self.disk is not None and (dslot := self.disk.slot_of(key)) is not None:
                 rec = self.disk.record(dslot)
-                t = self.cpu.prepare_store(key, rec.group, rec.nbytes, on_evict=self._evicting(self.cpu),
-                                           protect=frozenset(keys))
+                t = self.cpu.prepare_store(
+                    key, rec.group, rec.nbytes, on_evict=self._evicting(self.cpu), protect=frozenset(keys)
+                )
                 if t is None:
                     break
                 rec.pins += 1
@@ -326,8 +344,9 @@ class Cascade:
 
         if not reads:
             return []
-        outcomes = self._disk.read_verified([ChunkRead(r.disk_slot, r.nbytes, r.checksum,
-                                                      self.cpu.buffer(r.ticket.slot)) for r in reads])
+        outcomes = self._disk.read_verified(
+            [ChunkRead(r.disk_slot, r.nbytes, r.checksum, self.cpu.buffer(r.ticket.slot)) for r in reads]
+        )
         for r, outcome in zip(reads, outcomes):
             if outcome == READ_CORRUPT:
                 self.counts["disk_checksum_failures"] += 1

@@ -17,15 +17,21 @@ BENCHES = {"reuse": "reuse.py", "core": "core.py", "disk": "disk.py", "gpu": "gp
 def build_parser() -> argparse.ArgumentParser:
     from kvmesh import demo
 
-    p = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: a distributed, shared KV cache on Ray. "
-                                "Options may also come from a YAML file (--config) and KVMESH_* variables.")
+    p = argparse.ArgumentParser(
+        prog="kvmesh",
+        description="kvmesh: a distributed, shared KV cache on Ray. "
+        "Options may also come from a YAML file (--config) and KVMESH_* variables.",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="start kvmesh: a local cluster, or KVNodes on an existing Ray cluster",
-                        description="Without --address: an embedded Redis, a local Ray cluster of --nodes raylets "
-                        "on 127.0.0.1, a KVNode on each and the live page, kept running in the background until "
-                        "`kvmesh down`. With --address: KVNodes on every node of that Ray cluster and the live "
-                        "page in a detached actor.")
+    up = sub.add_parser(
+        "up",
+        help="start kvmesh: a local cluster, or KVNodes on an existing Ray cluster",
+        description="Without --address: an embedded Redis, a local Ray cluster of --nodes raylets "
+        "on 127.0.0.1, a KVNode on each and the live page, kept running in the background until "
+        "`kvmesh down`. With --address: KVNodes on every node of that Ray cluster and the live "
+        "page in a detached actor.",
+    )
     up.add_argument("--nodes", type=int, default=3, help="raylets of the local cluster (default 3)")
     up.add_argument("--address", help="join this Ray cluster instead (e.g. auto, 10.0.0.1:6379)")
     up.add_argument("--redis-url", help="the directory, with --address (default: the config's redis_url)")
@@ -34,27 +40,40 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8266, help="port of the live page (0: any free one)")
     up.set_defaults(func=_up)
 
-    st = sub.add_parser("status", help="nodes, tiers and hit rates, as a table",
-                        description="Reads the directory (Redis) directly; no Ray connection is needed.")
+    st = sub.add_parser(
+        "status",
+        help="nodes, tiers and hit rates, as a table",
+        description="Reads the directory (Redis) directly; no Ray connection is needed.",
+    )
     st.add_argument("--redis-url", help="the directory (default: the local `kvmesh up`, or $KVMESH_REDIS_URL)")
     st.add_argument("--key-prefix", help="the deployment's key prefix (default kvmesh)")
     st.set_defaults(func=lambda a: _operate().status(a.redis_url, a.key_prefix))
 
-    dn = sub.add_parser("down", help="stop what `kvmesh up` started",
-                        description="Stops the local kvmesh, or with --address removes the KVNodes and the live "
-                        "page from that Ray cluster.")
+    dn = sub.add_parser(
+        "down",
+        help="stop what `kvmesh up` started",
+        description="Stops the local kvmesh, or with --address removes the KVNodes and the live "
+        "page from that Ray cluster.",
+    )
     dn.add_argument("--address", help="the Ray cluster `kvmesh up --address` joined")
     dn.set_defaults(func=lambda a: _operate().down(a.address))
 
-    d = sub.add_parser("demo", help="run the local end-to-end demo (embedded Redis + multi-node Ray)",
-                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = sub.add_parser(
+        "demo",
+        help="run the local end-to-end demo (embedded Redis + multi-node Ray)",
+        description=demo.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     demo.add_arguments(d)
     d.set_defaults(func=demo.main)
 
-    b = sub.add_parser("bench", help="run a benchmark; JSON and PNG plots go to bench/results/",
-                       description="reuse: TTFT with a CPU-tier hit vs recompute over context lengths (default); "
-                       "core: lookup / cross-node / same-node ratios; disk: disk tier vs dd and vs recompute; "
-                       "gpu: the GPU data plane (on a CUDA machine). Needs the repository's bench/ folder.")
+    b = sub.add_parser(
+        "bench",
+        help="run a benchmark; JSON and PNG plots go to bench/results/",
+        description="reuse: TTFT with a CPU-tier hit vs recompute over context lengths (default); "
+        "core: lookup / cross-node / same-node ratios; disk: disk tier vs dd and vs recompute; "
+        "gpu: the GPU data plane (on a CUDA machine). Needs the repository's bench/ folder.",
+    )
     b.add_argument("which", nargs="?", default="reuse", choices=sorted(BENCHES))
     b.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the benchmark")
     b.set_defaults(func=_bench)

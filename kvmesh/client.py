@@ -70,9 +70,18 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
 class KVMeshClient:
-    def __init__(self, spec: KVSpec, config: KVMeshConfig, node_id: str | None, local=None,
-                 local_slab: tuple[str, int, int] | None = None, cache_salt: str | bytes | None = None,
-                 peers=None, gpu_exports: tuple[bytes, ...] = (), count_fetches: bool = True) -> None:
+    def __init__(
+        self,
+        spec: KVSpec,
+        config: KVMeshConfig,
+        node_id: str | None,
+        local=None,
+        local_slab: tuple[str, int, int] | None = None,
+        cache_salt: str | bytes | None = None,
+        peers=None,
+        gpu_exports: tuple[bytes, ...] = (),
+        count_fetches: bool = True,
+    ) -> None:
         """`local`: a handle of this node's KVNode (`handle.NodeHandle`, or `LocalHandle` without Ray);
         `local_slab`: its slab (path, bytes, slot bytes); `peers`: node id -> handle of another node's KVNode
         (default: found through Ray); `gpu_exports`: its GPU tier's pools, read device to device where CUDA IPC
@@ -86,14 +95,24 @@ class KVMeshClient:
         self.last_fetch = FetchStats(0, 0, 0.0)
         self.last_store = StoreResult(0)
         # sources: "local" = this node's slab (calibrated here), "peer" = another node (learned from pulls)
-        self.cost = CostModel({"local": LinkModel(measure_memcpy_bps() / 2, 1e-3), "peer": LinkModel(1e9, 2e-3),
-                               "local-disk": LinkModel(5e8, 5e-3), "peer-disk": LinkModel(4e8, 6e-3)})
+        self.cost = CostModel(
+            {
+                "local": LinkModel(measure_memcpy_bps() / 2, 1e-3),
+                "peer": LinkModel(1e9, 2e-3),
+                "local-disk": LinkModel(5e8, 5e-3),
+                "peer-disk": LinkModel(4e8, 6e-3),
+            }
+        )
         self.directory = Directory(config.redis_url, config.key_prefix, timeout_s=config.lookup_timeout_s)
         self.directory.table_horizon_ms = horizon_for(config.node_refresh_s)
         # the node table as this node's KVNode relays it (one reader of Redis per node), else from Redis
         self._table_file = TableFile.beside(local_slab[0]) if local_slab else None
-        self.view = NodeView(relayed(lambda: self._table_file, self.directory.node_table, 2 * config.node_refresh_s),
-                             DIRECTORY_RETRY_S, config.node_refresh_s, direct=self.directory.node_table)
+        self.view = NodeView(
+            relayed(lambda: self._table_file, self.directory.node_table, 2 * config.node_refresh_s),
+            DIRECTORY_RETRY_S,
+            config.node_refresh_s,
+            direct=self.directory.node_table,
+        )
         orphans = getattr(local, "orphans", None)  # replies of this client's calls that came too late
         self._orphans: Orphans = orphans if orphans is not None else Orphans()
         self._local = local
@@ -103,13 +122,25 @@ class KVMeshClient:
         self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kvmesh-pull")
         self._verify_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-verify")
         self._data = DataClient()
-        self.fetcher = Fetcher(Env(node_id or "", local, self._slab,
-                                   local_slab[2] if local_slab else 0, self._peer, self.view, self._data,
-                                   self._pool, self._reattach_local, GpuReads.open(gpu_exports),
-                                   verify=self._verify_pool))
+        self.fetcher = Fetcher(
+            Env(
+                node_id or "",
+                local,
+                self._slab,
+                local_slab[2] if local_slab else 0,
+                self._peer,
+                self.view,
+                self._data,
+                self._pool,
+                self._reattach_local,
+                GpuReads.open(gpu_exports),
+                verify=self._verify_pool,
+            )
+        )
         # stores of GPU KV go device to device into the node's GPU tier through the pools mapped for reads
-        self.stores = (StoreQueue(spec, local, self.counts, gpu=lambda: self.fetcher.env.gpu)
-                       if local is not None else None)
+        self.stores = (
+            StoreQueue(spec, local, self.counts, gpu=lambda: self.fetcher.env.gpu) if local is not None else None
+        )
         self._scratch: torch.Tensor | None = None
         self._seen: dict[bytes, tuple[bool, float]] = {}  # chunk hash -> (cached, when) as a recent lookup saw it
         self._samples: list = []  # (kind, source, seconds) for the latency histograms, drained by the exporter
@@ -134,15 +165,23 @@ class KVMeshClient:
         """Chunk hashes of the full chunks of `tokens` under this client's spec and salt."""
         return chunk_hashes(self.spec.namespace, as_tokens(tokens), self.spec.chunk_tokens, self._salt(cache_salt))
 
-    def lookup(self, tokens, cache_salt: str | bytes | None = None, *, max_chunks: int | None = None,
-               allow_split: bool = True, cost_model: bool = True) -> Match:
+    def lookup(
+        self,
+        tokens,
+        cache_salt: str | bytes | None = None,
+        *,
+        max_chunks: int | None = None,
+        allow_split: bool = True,
+        cost_model: bool = True,
+    ) -> Match:
         """`max_chunks` caps the chunks looked up (an engine must compute at least the prompt's last token);
         the plan still prices the whole prompt. `allow_split=False` plans only load-or-recompute, for engines
         that cannot compute a front part while the rest loads. `cost_model=False`: the caller loads whatever is
         cached (no plan; a cached prefix counts as a hit, never as the cost model's miss)."""
         toks = as_tokens(tokens)
-        if max_chunks is not None and (isinstance(max_chunks, bool) or not isinstance(max_chunks, int)
-                                       or max_chunks < 0):
+        if max_chunks is not None and (
+            isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 0
+        ):
             raise ValueError(f"max_chunks must be a non-negative int, got {max_chunks!r}")
         salt = self._salt(cache_salt)
         limit = len(toks) if max_chunks is None else min(len(toks), max_chunks * self.spec.chunk_tokens)
@@ -156,8 +195,9 @@ class KVMeshClient:
             if why == "not_cached" and self._cached_elsewhere(toks, salt):
                 why = "spec_mismatch"
             self.counts[f"miss_{why}"] += 1
-        match = Match(self.spec.namespace, self.spec.chunk_tokens, chunks, why=why or "",
-                      group=hashes[0] if hashes else b"")
+        match = Match(
+            self.spec.namespace, self.spec.chunk_tokens, chunks, why=why or "", group=hashes[0] if hashes else b""
+        )
         if cost_model:
             match = replace(match, plan=self.plan(match, len(toks), allow_split=allow_split))
         if chunks and match.plan is not None and match.plan.end == 0:
@@ -176,8 +216,7 @@ class KVMeshClient:
             return [], "directory_error"
         t0 = time.monotonic()
         try:
-            out = self.directory.lookup(group, hashes, self.view.table(), prefer=self.node_id,
-                                        newer=self.view.current)
+            out = self.directory.lookup(group, hashes, self.view.table(), prefer=self.node_id, newer=self.view.current)
         except redis.RedisError as e:
             log.debug("lookup failed: %s", e)
             self.counts["directory_errors"] += 1
@@ -197,8 +236,12 @@ class KVMeshClient:
         if not self.view.allow():
             return [False] * len(hashes)
         try:
-            return [bool(hs) for hs in self.directory.holders(group, hashes, self.view.table(), prefer=self.node_id,
-                                                              newer=self.view.current)]
+            return [
+                bool(hs)
+                for hs in self.directory.holders(
+                    group, hashes, self.view.table(), prefer=self.node_id, newer=self.view.current
+                )
+            ]
         except redis.RedisError:
             self.counts["directory_errors"] += 1
             self.view.failed()
@@ -211,8 +254,11 @@ class KVMeshClient:
         now = time.monotonic()
         if now - self._specs_at > 10.0:
             try:
-                self._other_specs = [x for x in map(_spec_or_none, self.directory.specs_of(self.spec.model_id))
-                                     if x is not None and x != self.spec]
+                self._other_specs = [
+                    x
+                    for x in map(_spec_or_none, self.directory.specs_of(self.spec.model_id))
+                    if x is not None and x != self.spec
+                ]
             except redis.RedisError:
                 self._other_specs = []
             self._specs_at = now
@@ -248,8 +294,9 @@ class KVMeshClient:
     def plan(self, match: Match, prompt_tokens: int, allow_split: bool = True) -> LoadPlan:
         """The cost model's plan for using `match` in a prompt of `prompt_tokens` tokens."""
         links = [self._link(ch.holders[0]) for ch in match.chunks]
-        plan = self.cost.plan(prompt_tokens, self.spec.chunk_tokens, self.spec.chunk_bytes, links,
-                              allow_split=allow_split)
+        plan = self.cost.plan(
+            prompt_tokens, self.spec.chunk_tokens, self.spec.chunk_bytes, links, allow_split=allow_split
+        )
         self.counts[f"plan_{plan.reason.replace(' ', '_')}"] += 1
         return plan
 
@@ -280,18 +327,27 @@ class KVMeshClient:
             raise ValueError("match was made for a different KVSpec than this client's")
 
     def _options(self, match: Match, deadline_s) -> FetchOptions:
-        if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float))
-                                       or deadline_s <= 0):
+        if deadline_s is not None and (
+            isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or deadline_s <= 0
+        ):
             raise ValueError(f"deadline_s must be a positive number, got {deadline_s!r}")
         c = self.config
-        return FetchOptions(self.spec.chunk_bytes, time.monotonic() + (deadline_s or c.fetch_timeout_s),
-                            c.peer_transport,
-                            c.coalesce_pulls, match.group or (match.chunks[0].hash if match.start == 0 and
-                                                              match.chunks else b""),
-                            max(1, c.pull_batch_bytes // self.spec.chunk_bytes))
+        return FetchOptions(
+            self.spec.chunk_bytes,
+            time.monotonic() + (deadline_s or c.fetch_timeout_s),
+            c.peer_transport,
+            c.coalesce_pulls,
+            match.group or (match.chunks[0].hash if match.start == 0 and match.chunks else b""),
+            max(1, c.pull_batch_bytes // self.spec.chunk_bytes),
+        )
 
-    def fetch(self, match: Match, device: str | torch.device = "cpu", deadline_s: float | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+    def fetch(
+        self,
+        match: Match,
+        device: str | torch.device = "cpu",
+        deadline_s: float | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """KV of the matched prefix, `[num_layers, 2, tokens, num_kv_heads, head_dim]`; `tokens` is
         `match.num_tokens` or, if part of the pull failed, the whole chunks before the first failure.
 
@@ -319,8 +375,9 @@ class KVMeshClient:
         result = self._run(match, HostSink(self.spec, out), opts, device)
         return result if device.type == "cpu" else result.to(device, non_blocking=True)
 
-    def fetch_to_device(self, match: Match, device: str | torch.device, deadline_s: float | None = None,
-                        min_copy_bytes: int = 8 << 20):
+    def fetch_to_device(
+        self, match: Match, device: str | torch.device, deadline_s: float | None = None, min_copy_bytes: int = 8 << 20
+    ):
         """Land the matched chunks on a device, layer group by layer group (`movers.LayerwiseLoad`): same-node
         chunks are copied by DMA straight from the node's page-locked slab, peer chunks first into page-locked
         staging that belongs to this fetch. Checksums of the slab chunks are verified by CPU threads while the DMA
@@ -388,10 +445,18 @@ class KVMeshClient:
             raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
         if out.dtype != s.torch_dtype or out.device.type != "cpu" or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous CPU tensor of dtype {s.dtype}")
-        if (out.dim() != 5 or out.shape[0] != s.num_layers or out.shape[1] != 2 or out.shape[2] < num_tokens
-                or out.shape[3] != s.num_kv_heads or out.shape[4] != s.head_dim):
-            raise ValueError(f"out must have shape [{s.num_layers}, 2, >= {num_tokens}, {s.num_kv_heads}, "
-                             f"{s.head_dim}], got {list(out.shape)}")
+        if (
+            out.dim() != 5
+            or out.shape[0] != s.num_layers
+            or out.shape[1] != 2
+            or out.shape[2] < num_tokens
+            or out.shape[3] != s.num_kv_heads
+            or out.shape[4] != s.head_dim
+        ):
+            raise ValueError(
+                f"out must have shape [{s.num_layers}, 2, >= {num_tokens}, {s.num_kv_heads}, "
+                f"{s.head_dim}], got {list(out.shape)}"
+            )
 
     def _peer(self, node_id: str):
         """The handle of `node_id`'s KVNode (this node's own included), or None."""
@@ -435,7 +500,7 @@ class KVMeshClient:
         kv = self._check_kv(kv, len(toks))
         hashes = chunk_hashes(self.spec.namespace, toks, self.spec.chunk_tokens, self._salt(cache_salt))
         c = self.spec.chunk_tokens
-        return self._store(hashes[0] if hashes else b"", hashes, lambda i: kv[:, :, i * c:(i + 1) * c], True)
+        return self._store(hashes[0] if hashes else b"", hashes, lambda i: kv[:, :, i * c : (i + 1) * c], True)
 
     def _store(self, group: bytes, keys: list[bytes], chunk, seen: bool) -> int:
         if not keys:
@@ -448,8 +513,9 @@ class KVMeshClient:
         held = self._held(group, keys, seen)
         todo = [i for i in range(len(keys)) if not held[i]]
         handed = self.stores.submit(group, [keys[i] for i in todo], [chunk(i) for i in todo])
-        self.last_store = StoreResult(handed, len(keys) - len(todo), len(todo) - handed,
-                                      "busy" if handed < len(todo) else "")
+        self.last_store = StoreResult(
+            handed, len(keys) - len(todo), len(todo) - handed, "busy" if handed < len(todo) else ""
+        )
         return handed
 
     def _check_kv(self, kv, num_tokens: int) -> torch.Tensor:
@@ -458,10 +524,16 @@ class KVMeshClient:
             raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
         if kv.dtype != s.torch_dtype:
             raise ValueError(f"kv has dtype {kv.dtype}, but the spec says {s.dtype}")
-        if (kv.dim() != 5 or kv.shape[0] != s.num_layers or kv.shape[1] != 2 or kv.shape[3] != s.num_kv_heads
-                or kv.shape[4] != s.head_dim):
-            raise ValueError(f"kv must have shape [{s.num_layers}, 2, n, {s.num_kv_heads}, {s.head_dim}], "
-                             f"got {list(kv.shape)}")
+        if (
+            kv.dim() != 5
+            or kv.shape[0] != s.num_layers
+            or kv.shape[1] != 2
+            or kv.shape[3] != s.num_kv_heads
+            or kv.shape[4] != s.head_dim
+        ):
+            raise ValueError(
+                f"kv must have shape [{s.num_layers}, 2, n, {s.num_kv_heads}, {s.head_dim}], got {list(kv.shape)}"
+            )
         if kv.shape[2] < num_tokens:
             raise ValueError(f"kv holds {kv.shape[2]} tokens, fewer than the {num_tokens} in tokens")
         kv = kv.detach()
@@ -505,13 +577,13 @@ class KVMeshClient:
     def _check_keys(group, keys) -> None:
         if not isinstance(group, bytes) or len(group) != HASH_BYTES:
             raise ValueError(f"group must be {HASH_BYTES} bytes")
-        if not isinstance(keys, (list, tuple)) or not all(isinstance(k, bytes) and len(k) == HASH_BYTES
-                                                          for k in keys):
+        if not isinstance(keys, (list, tuple)) or not all(isinstance(k, bytes) and len(k) == HASH_BYTES for k in keys):
             raise ValueError(f"keys must be a list of {HASH_BYTES}-byte chunk keys")
 
     # -- placement (kvmesh.routing) -------------------------------------------------------------------------------
-    def route(self, tokens, candidates, cache_salt: str | bytes | None = None, *,
-              prefill_tokens_per_s: float | None = None) -> list[routing.RouteEstimate]:
+    def route(
+        self, tokens, candidates, cache_salt: str | bytes | None = None, *, prefill_tokens_per_s: float | None = None
+    ) -> list[routing.RouteEstimate]:
         """Each candidate's expected time to first token for `tokens`, best first; `candidates` are Ray node ids
         or replicas with a `node_id`. A directory failure gives `known=False` estimates, never an exception."""
         return routing.route(self, tokens, candidates, cache_salt, prefill_tokens_per_s=prefill_tokens_per_s)
@@ -587,14 +659,23 @@ def _resolve(spec: KVSpec, cfg: KVMeshConfig, redis_url, config, options) -> KVM
         cfg = cfg.replace(redis_url=redis_url)
     cfg = cfg.replace(**options)
     if spec.chunk_bytes > cfg.slot_bytes:
-        raise ValueError(f"spec.chunk_tokens={spec.chunk_tokens} makes {spec.chunk_bytes}-byte chunks, larger than "
-                         f"the nodes' slot_bytes={cfg.slot_bytes}; use fewer chunk_tokens or bigger slots")
+        raise ValueError(
+            f"spec.chunk_tokens={spec.chunk_tokens} makes {spec.chunk_bytes}-byte chunks, larger than "
+            f"the nodes' slot_bytes={cfg.slot_bytes}; use fewer chunk_tokens or bigger slots"
+        )
     return cfg
 
 
-def connect(spec: KVSpec, redis_url: str | None = None, *, cache_salt: str | bytes | None = None,
-            config: KVMeshConfig | None = None, node_id: str | None = None, count_fetches: bool = True,
-            **options) -> KVMeshClient:
+def connect(
+    spec: KVSpec,
+    redis_url: str | None = None,
+    *,
+    cache_salt: str | bytes | None = None,
+    config: KVMeshConfig | None = None,
+    node_id: str | None = None,
+    count_fetches: bool = True,
+    **options,
+) -> KVMeshClient:
     """A client for `spec` in this process. Finds the KVNode on this process's Ray node (or on `node_id`: for an
     engine whose Ray connection lands elsewhere, e.g. a child process of an actor) and takes its config (directory
     URL included) unless `redis_url`/`config`/`options` say otherwise. Raises `kvmesh.DirectoryUnavailable` (a
@@ -631,12 +712,21 @@ def connect(spec: KVSpec, redis_url: str | None = None, *, cache_salt: str | byt
     # the one time a directory failure raises: a wrong URL would otherwise read as a miss on every lookup, forever
     probe(cfg.redis_url, cfg.lease_s)
     slab = (hello.info.slab_path, hello.info.slab_bytes, hello.info.slot_bytes) if hello else None
-    return KVMeshClient(spec, cfg, node_id, local, slab, cache_salt,
-                        gpu_exports=hello.gpu_exports if hello else (), count_fetches=count_fetches)
+    return KVMeshClient(
+        spec,
+        cfg,
+        node_id,
+        local,
+        slab,
+        cache_salt,
+        gpu_exports=hello.gpu_exports if hello else (),
+        count_fetches=count_fetches,
+    )
 
 
-def connect_local(spec: KVSpec, node, *, peers=(), cache_salt: str | bytes | None = None, count_fetches: bool = True,
-                  **options) -> KVMeshClient:
+def connect_local(
+    spec: KVSpec, node, *, peers=(), cache_salt: str | bytes | None = None, count_fetches: bool = True, **options
+) -> KVMeshClient:
     """A client for `spec` beside a `KVNode` object of this process, without Ray (tests, a GPU machine without a Ray
     cluster). `peers`: other KVNode objects, reachable through their data servers (peer transport "tcp")."""
     if not isinstance(spec, KVSpec):
@@ -645,6 +735,14 @@ def connect_local(spec: KVSpec, node, *, peers=(), cache_salt: str | bytes | Non
     local = LocalHandle(node, node.node_id)
     others = {p.node_id: LocalHandle(p, node.node_id) for p in peers}
     info = node.info
-    return KVMeshClient(spec, cfg, node.node_id, local, (info.slab_path, info.slab_bytes, info.slot_bytes),
-                        cache_salt, peers=others.get, gpu_exports=node.hello().gpu_exports,
-                        count_fetches=count_fetches)
+    return KVMeshClient(
+        spec,
+        cfg,
+        node.node_id,
+        local,
+        (info.slab_path, info.slab_bytes, info.slot_bytes),
+        cache_salt,
+        peers=others.get,
+        gpu_exports=node.hello().gpu_exports,
+        count_fetches=count_fetches,
+    )

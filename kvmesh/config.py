@@ -81,8 +81,10 @@ class KVMeshConfig:
         if isinstance(self.gpu_bytes, bool) or not isinstance(self.gpu_bytes, int) or self.gpu_bytes < 0:
             raise ValueError(f"KVMeshConfig.gpu_bytes must be a non-negative integer, got {self.gpu_bytes!r}")
         if 0 < self.gpu_bytes < self.slot_bytes:
-            raise ValueError(f"KVMeshConfig.gpu_bytes ({self.gpu_bytes}) must hold at least one slot "
-                             f"of slot_bytes ({self.slot_bytes})")
+            raise ValueError(
+                f"KVMeshConfig.gpu_bytes ({self.gpu_bytes}) must hold at least one slot "
+                f"of slot_bytes ({self.slot_bytes})"
+            )
         if isinstance(self.disk_bytes, bool) or not isinstance(self.disk_bytes, int) or self.disk_bytes < 0:
             raise ValueError(f"KVMeshConfig.disk_bytes must be a non-negative integer, got {self.disk_bytes!r}")
         if self.disk_bytes and not self.disk_dir:
@@ -90,43 +92,71 @@ class KVMeshConfig:
         if 0 < self.disk_bytes < self.slot_bytes:
             raise ValueError(f"KVMeshConfig.disk_bytes ({self.disk_bytes}) must hold at least one slot")
         if self.write_policy not in ("write_back", "write_through"):
-            raise ValueError(f"KVMeshConfig.write_policy must be 'write_back' or 'write_through', "
-                             f"got {self.write_policy!r}")
+            raise ValueError(
+                f"KVMeshConfig.write_policy must be 'write_back' or 'write_through', got {self.write_policy!r}"
+            )
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1:
             raise ValueError(f"KVMeshConfig.io_threads must be a positive integer, got {self.io_threads!r}")
-        if isinstance(self.replicate_min_readers, bool) or not isinstance(self.replicate_min_readers, int) \
-                or self.replicate_min_readers < 1:
-            raise ValueError(f"KVMeshConfig.replicate_min_readers must be a positive integer, "
-                             f"got {self.replicate_min_readers!r}")
-        if (isinstance(self.replicate_max_bytes, bool) or not isinstance(self.replicate_max_bytes, int)
-                or self.replicate_max_bytes < 0):
-            raise ValueError(f"KVMeshConfig.replicate_max_bytes must be a non-negative integer, "
-                             f"got {self.replicate_max_bytes!r}")
-        if (isinstance(self.recompute_bytes_per_s, bool) or not isinstance(self.recompute_bytes_per_s, int)
-                or self.recompute_bytes_per_s <= 0):
-            raise ValueError(f"KVMeshConfig.recompute_bytes_per_s must be a positive integer, "
-                             f"got {self.recompute_bytes_per_s!r}")
-        if (isinstance(self.handoff_max_bytes, bool) or not isinstance(self.handoff_max_bytes, int)
-                or self.handoff_max_bytes < 0):
-            raise ValueError(f"KVMeshConfig.handoff_max_bytes must be a non-negative integer, "
-                             f"got {self.handoff_max_bytes!r}")
+        if (
+            isinstance(self.replicate_min_readers, bool)
+            or not isinstance(self.replicate_min_readers, int)
+            or self.replicate_min_readers < 1
+        ):
+            raise ValueError(
+                f"KVMeshConfig.replicate_min_readers must be a positive integer, got {self.replicate_min_readers!r}"
+            )
+        if (
+            isinstance(self.replicate_max_bytes, bool)
+            or not isinstance(self.replicate_max_bytes, int)
+            or self.replicate_max_bytes < 0
+        ):
+            raise ValueError(
+                f"KVMeshConfig.replicate_max_bytes must be a non-negative integer, got {self.replicate_max_bytes!r}"
+            )
+        if (
+            isinstance(self.recompute_bytes_per_s, bool)
+            or not isinstance(self.recompute_bytes_per_s, int)
+            or self.recompute_bytes_per_s <= 0
+        ):
+            raise ValueError(
+                f"KVMeshConfig.recompute_bytes_per_s must be a positive integer, got {self.recompute_bytes_per_s!r}"
+            )
+        if (
+            isinstance(self.handoff_max_bytes, bool)
+            or not isinstance(self.handoff_max_bytes, int)
+            or self.handoff_max_bytes < 0
+        ):
+            raise ValueError(
+                f"KVMeshConfig.handoff_max_bytes must be a non-negative integer, got {self.handoff_max_bytes!r}"
+            )
         v = self.last_copy_window_s
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise ValueError(f"KVMeshConfig.last_copy_window_s must be a non-negative number, got {v!r}")
         if self.cpu_bytes < self.slot_bytes:
-            raise ValueError(f"KVMeshConfig.cpu_bytes ({self.cpu_bytes}) must hold at least one slot "
-                             f"of slot_bytes ({self.slot_bytes})")
-        for name in ("lease_s", "heartbeat_s", "pin_ttl_s", "lookup_timeout_s", "fetch_timeout_s",
-                     "node_refresh_s", "replicate_window_s"):
+            raise ValueError(
+                f"KVMeshConfig.cpu_bytes ({self.cpu_bytes}) must hold at least one slot "
+                f"of slot_bytes ({self.slot_bytes})"
+            )
+        for name in (
+            "lease_s",
+            "heartbeat_s",
+            "pin_ttl_s",
+            "lookup_timeout_s",
+            "fetch_timeout_s",
+            "node_refresh_s",
+            "replicate_window_s",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"KVMeshConfig.{name} must be a positive number, got {v!r}")
         if self.heartbeat_s * 2 > self.lease_s:
-            raise ValueError(f"KVMeshConfig.heartbeat_s ({self.heartbeat_s}) must be at most half of "
-                             f"lease_s ({self.lease_s})")
+            raise ValueError(
+                f"KVMeshConfig.heartbeat_s ({self.heartbeat_s}) must be at most half of lease_s ({self.lease_s})"
+            )
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"KVMeshConfig.redis_url must be a redis://, rediss:// or unix:// URL, "
-                             f"got {self.redis_url!r}")
+            raise ValueError(
+                f"KVMeshConfig.redis_url must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}"
+            )
         if self.peer_transport not in ("tcp", "ray"):
             raise ValueError(f"KVMeshConfig.peer_transport must be 'tcp' or 'ray', got {self.peer_transport!r}")
         if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
@@ -165,16 +195,17 @@ class KVMeshConfig:
                 raise ValueError(f"kvmesh config {path} must be a mapping of option: value")
             for k, v in data.items():
                 if k not in fields:
-                    raise ValueError(f"kvmesh config {path}: unknown option {k!r} "
-                                     f"(known: {', '.join(sorted(fields))})")
+                    raise ValueError(f"kvmesh config {path}: unknown option {k!r} (known: {', '.join(sorted(fields))})")
                 values[k] = _convert(k, v, fields[k].type, f"{path}: {k}")
         for name, raw in env.items():
             if not name.startswith("KVMESH_") or name in _NOT_OPTIONS:
                 continue
-            k = name[len("KVMESH_"):].lower()
+            k = name[len("KVMESH_") :].lower()
             if k not in fields:
-                raise ValueError(f"environment variable {name} names no kvmesh option "
-                                 f"(known: {', '.join('KVMESH_' + f.upper() for f in sorted(fields))})")
+                raise ValueError(
+                    f"environment variable {name} names no kvmesh option "
+                    f"(known: {', '.join('KVMESH_' + f.upper() for f in sorted(fields))})"
+                )
             values[k] = _convert(k, raw, fields[k].type, name)
         values.update(overrides)
         try:
@@ -184,10 +215,31 @@ class KVMeshConfig:
 
 
 # kvmesh's own environment variables that are not options (so that KVMESH_* typos are still caught)
-_NOT_OPTIONS = {"KVMESH_CONFIG", "KVMESH_REDIS_SERVER", "KVMESH_REDIS_TLS_SERVER", "KVMESH_COMMIT", "KVMESH_STATE_DIR",
-                "KVMESH_DEBUG", "KVMESH_RAY_NODE_ID"}
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+_NOT_OPTIONS = {
+    "KVMESH_CONFIG",
+    "KVMESH_REDIS_SERVER",
+    "KVMESH_REDIS_TLS_SERVER",
+    "KVMESH_COMMIT",
+    "KVMESH_STATE_DIR",
+    "KVMESH_DEBUG",
+    "KVMESH_RAY_NODE_ID",
+}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
 
 
 def parse_size(text) -> int:

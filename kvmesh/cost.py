@@ -61,8 +61,7 @@ class LinkModel:
             ys = [s for _, s in self._obs]
             # scale bytes so both columns are O(1) for the solver
             scale = max(b for b, _ in self._obs)
-            coef = _lstsq([[1.0, b / scale] for _, b in rows], ys,
-                          np.array([self._prior[0], self._prior[1] * scale]))
+            coef = _lstsq([[1.0, b / scale] for _, b in rows], ys, np.array([self._prior[0], self._prior[1] * scale]))
             self._coef = np.array([coef[0], coef[1] / scale])
 
     def seconds(self, nbytes: int) -> float:
@@ -147,8 +146,9 @@ class CostModel:
     def observe_transfer(self, source: str, nbytes: int, seconds: float) -> None:
         self.link(source).observe(nbytes, seconds)
 
-    def plan(self, prompt_tokens: int, chunk_tokens: int, chunk_bytes: int, sources: list[str],
-             allow_split: bool = True) -> LoadPlan:
+    def plan(
+        self, prompt_tokens: int, chunk_tokens: int, chunk_bytes: int, sources: list[str], allow_split: bool = True
+    ) -> LoadPlan:
         """Plan for a match whose chunk i comes from `sources[i]` (a link name per matched chunk). Vectorised
         over chunk counts: a 512-chunk match plans in well under a millisecond."""
         m = len(sources)

@@ -61,12 +61,17 @@ class Cudart:
             raise CudaError("no_cudart", "no libcudart in this process")
         self.lib = lib
         vp, sz, i32, u32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint
-        for name, args in (("cudaMalloc", [ctypes.POINTER(vp), sz]), ("cudaFree", [vp]),
-                           ("cudaIpcGetMemHandle", [ctypes.POINTER(IpcHandle), vp]),
-                           ("cudaIpcOpenMemHandle", [ctypes.POINTER(vp), IpcHandle, u32]),
-                           ("cudaIpcCloseMemHandle", [vp]), ("cudaGetDevice", [ctypes.POINTER(i32)]),
-                           ("cudaSetDevice", [i32]), ("cudaGetLastError", []),
-                           ("cudaMemcpy2DAsync", [vp, sz, vp, sz, sz, sz, i32, vp])):
+        for name, args in (
+            ("cudaMalloc", [ctypes.POINTER(vp), sz]),
+            ("cudaFree", [vp]),
+            ("cudaIpcGetMemHandle", [ctypes.POINTER(IpcHandle), vp]),
+            ("cudaIpcOpenMemHandle", [ctypes.POINTER(vp), IpcHandle, u32]),
+            ("cudaIpcCloseMemHandle", [vp]),
+            ("cudaGetDevice", [ctypes.POINTER(i32)]),
+            ("cudaSetDevice", [i32]),
+            ("cudaGetLastError", []),
+            ("cudaMemcpy2DAsync", [vp, sz, vp, sz, sz, sz, i32, vp]),
+        ):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, i32
         lib.cudaGetErrorString.argtypes, lib.cudaGetErrorString.restype = [i32], ctypes.c_char_p
@@ -128,6 +133,15 @@ def memcpy_2d_async(dst: int, dpitch: int, src: int, spitch: int, width: int, he
         rt = cudart()
     except CudaError:
         return False
-    rt.call("cudaMemcpy2DAsync", ctypes.c_void_p(dst), dpitch, ctypes.c_void_p(src), spitch, width, height,
-            CUDA_MEMCPY_DEFAULT, ctypes.c_void_p(stream.cuda_stream))
+    rt.call(
+        "cudaMemcpy2DAsync",
+        ctypes.c_void_p(dst),
+        dpitch,
+        ctypes.c_void_p(src),
+        spitch,
+        width,
+        height,
+        CUDA_MEMCPY_DEFAULT,
+        ctypes.c_void_p(stream.cuda_stream),
+    )
     return True

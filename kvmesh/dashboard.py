@@ -28,8 +28,14 @@ PAGE = (Path(__file__).parent / "dashboard.html").read_text()
 
 
 class Dashboard:
-    def __init__(self, redis_url: str, key_prefix: str = "kvmesh", host: str = "127.0.0.1", port: int = 0,
-                 chunk_tokens: int = 256) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        key_prefix: str = "kvmesh",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        chunk_tokens: int = 256,
+    ) -> None:
         self.redis_url = redact_url(redis_url)  # what the page and messages show: never the password
         self.directory = Directory(redis_url, key_prefix, timeout_s=2.0)
         self.records = Records(self.directory.redis, key_prefix)
@@ -66,9 +72,10 @@ class Dashboard:
 
         self._server = ThreadingHTTPServer((host, port), Handler)
         self.url = f"http://{host}:{self._server.server_address[1]}/"
-        self._threads = [threading.Thread(target=self._server.serve_forever, name="kvmesh-dashboard-http",
-                                          daemon=True),
-                         threading.Thread(target=self._sample_loop, name="kvmesh-dashboard-sample", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._server.serve_forever, name="kvmesh-dashboard-http", daemon=True),
+            threading.Thread(target=self._sample_loop, name="kvmesh-dashboard-sample", daemon=True),
+        ]
 
     def start(self) -> Dashboard:
         self._sample()
@@ -104,19 +111,35 @@ class Dashboard:
         nodes = []
         for inc, info in table.live.items():
             s = stats.get(info.node_id, {})
-            nodes.append({"node_id": info.node_id, "incarnation": inc, "alive": True,
-                          "lease_left_s": round((table.deadlines[inc] - table.now_ms) / 1000.0, 1),
-                          "data_addr": info.data_addr, "tiers": s.get("tiers", []),
-                          "stored_chunks": s.get("stored_chunks", 0), "evictions": s.get("evictions", 0),
-                          "demotions": s.get("demotions", 0), "promotions": s.get("promotions", 0),
-                          "corrupt_dropped": s.get("corrupt_dropped", 0),
-                          "replicated_chunks": s.get("replicated_chunks", 0),
-                          "replicated_bytes": s.get("replicated_bytes", 0),
-                          "saved_last_copies": s.get("saved_last_copies", 0)})
+            nodes.append(
+                {
+                    "node_id": info.node_id,
+                    "incarnation": inc,
+                    "alive": True,
+                    "lease_left_s": round((table.deadlines[inc] - table.now_ms) / 1000.0, 1),
+                    "data_addr": info.data_addr,
+                    "tiers": s.get("tiers", []),
+                    "stored_chunks": s.get("stored_chunks", 0),
+                    "evictions": s.get("evictions", 0),
+                    "demotions": s.get("demotions", 0),
+                    "promotions": s.get("promotions", 0),
+                    "corrupt_dropped": s.get("corrupt_dropped", 0),
+                    "replicated_chunks": s.get("replicated_chunks", 0),
+                    "replicated_bytes": s.get("replicated_bytes", 0),
+                    "saved_last_copies": s.get("saved_last_copies", 0),
+                }
+            )
         for node_id in table.dead:
             s = stats.get(node_id, {})
-            nodes.append({"node_id": node_id, "incarnation": s.get("incarnation"), "alive": False,
-                          "lease_left_s": 0, "tiers": s.get("tiers", [])})
+            nodes.append(
+                {
+                    "node_id": node_id,
+                    "incarnation": s.get("incarnation"),
+                    "alive": False,
+                    "lease_left_s": 0,
+                    "tiers": s.get("tiers", []),
+                }
+            )
         nodes.sort(key=lambda n: (not n["alive"], n["node_id"]))
         traffic: list[dict] = []
         top: dict[str, dict] = {}
@@ -131,19 +154,35 @@ class Dashboard:
         hits = totals.get("hits", 0)
         reused = totals.get("reused_tokens_local", 0) + totals.get("reused_tokens_peer", 0)
         recomputed = totals.get("recomputed_tokens", 0)
-        self.history.append({"t": now, "lookups": lookups, "hits": hits, "reused": reused,
-                             "reused_local": totals.get("reused_tokens_local", 0),
-                             "reused_peer": totals.get("reused_tokens_peer", 0), "recomputed": recomputed})
+        self.history.append(
+            {
+                "t": now,
+                "lookups": lookups,
+                "hits": hits,
+                "reused": reused,
+                "reused_local": totals.get("reused_tokens_local", 0),
+                "reused_peer": totals.get("reused_tokens_peer", 0),
+                "recomputed": recomputed,
+            }
+        )
         misses = {k[5:]: v for k, v in totals.items() if k.startswith("miss_")}
         with self._lock:
             self._state = {
-                "time": now, "redis": self.redis_url, "epoch": (table.epoch or b"").decode(errors="replace"),
-                "nodes": nodes, "totals": totals, "lookups": lookups, "hits": hits,
-                "hit_rate": hits / lookups if lookups else None, "misses": misses,
-                "reused_tokens": reused, "recomputed_tokens": recomputed,
+                "time": now,
+                "redis": self.redis_url,
+                "epoch": (table.epoch or b"").decode(errors="replace"),
+                "nodes": nodes,
+                "totals": totals,
+                "lookups": lookups,
+                "hits": hits,
+                "hit_rate": hits / lookups if lookups else None,
+                "misses": misses,
+                "reused_tokens": reused,
+                "recomputed_tokens": recomputed,
                 "reuse_fraction": reused / (reused + recomputed) if reused + recomputed else None,
                 "traffic": sorted(traffic, key=lambda x: -x["bytes"]),
                 "top_prefixes": sorted(top.values(), key=lambda x: -x["chunk_hits"])[:10],
-                "events": [{"time": e[0], "node": e[1], "kind": e[2], "reason": e[3], "detail": e[4]}
-                           for e in events[:50]],
+                "events": [
+                    {"time": e[0], "node": e[1], "kind": e[2], "reason": e[3], "detail": e[4]} for e in events[:50]
+                ],
             }

@@ -49,8 +49,13 @@ class DemoWorker:
         self.opts = DemoOptions(**opts)
         torch.set_num_threads(self.opts.threads)
         o = self.opts
-        self.model = tiny_llama(o.seed, hidden_size=o.hidden_size, num_layers=o.layers,
-                                intermediate_size=o.hidden_size * 11 // 4, max_position_embeddings=16384)
+        self.model = tiny_llama(
+            o.seed,
+            hidden_size=o.hidden_size,
+            num_layers=o.layers,
+            intermediate_size=o.hidden_size * 11 // 4,
+            max_position_embeddings=16384,
+        )
         self.spec = spec_for_model(self.model, chunk_tokens=o.chunk_tokens)
         self.client: KVMeshClient | None = None  # set by connect()
 
@@ -94,18 +99,28 @@ def run_demo(o: DemoOptions, out=print) -> dict:
     try:
         out(f"starting: redis-server on {redis_server.url}, a {o.nodes}-node local Ray cluster ...")
         cluster = LocalRayCluster(o.nodes, num_cpus=1)
-        spec = spec_for_model(tiny_llama(o.seed, hidden_size=o.hidden_size, num_layers=o.layers,
-                                         intermediate_size=o.hidden_size * 11 // 4), chunk_tokens=o.chunk_tokens)
+        spec = spec_for_model(
+            tiny_llama(
+                o.seed, hidden_size=o.hidden_size, num_layers=o.layers, intermediate_size=o.hidden_size * 11 // 4
+            ),
+            chunk_tokens=o.chunk_tokens,
+        )
         mesh = kvmesh.start(redis_server.url, cpu_bytes=o.cpu_mib * MiB, slot_bytes=spec.chunk_bytes)
-        out(f"kvmesh: {len(mesh.nodes)} KVNodes, {o.cpu_mib} MiB CPU tier each; model {spec.model_id}, "
-            f"{spec.chunk_bytes / MiB:.1f} MiB per {spec.chunk_tokens}-token chunk")
+        out(
+            f"kvmesh: {len(mesh.nodes)} KVNodes, {o.cpu_mib} MiB CPU tier each; model {spec.model_id}, "
+            f"{spec.chunk_bytes / MiB:.1f} MiB per {spec.chunk_tokens}-token chunk"
+        )
         from kvmesh.dashboard import Dashboard
 
         dashboard = Dashboard(redis_server.url, port=o.port).start()
         out(f"live page: {dashboard.url}")
         worker_cls = ray.remote(DemoWorker)
-        workers = [worker_cls.options(num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
-                   .remote(asdict(o)) for n in mesh.node_ids]
+        workers = [
+            worker_cls.options(num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(
+                asdict(o)
+            )
+            for n in mesh.node_ids
+        ]
         ray.get([w.connect.remote() for w in workers])
         requests = make_requests(o)
         # warm up every worker (first-call allocations), outside the measurement and outside kvmesh
@@ -166,6 +181,7 @@ def _linger(seconds: float) -> None:
                 done.set()
         except (OSError, ValueError):
             pass
+
     threading.Thread(target=wait_for_enter, daemon=True).start()
     done.wait(seconds)
 
@@ -204,8 +220,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker")
     p.add_argument("--port", type=int, default=d.port, help="port of the live page (default: any free one)")
-    p.add_argument("--linger", type=int, default=d.linger,
-                   help="keep the live page up this many seconds after the run (Enter ends it)")
+    p.add_argument(
+        "--linger",
+        type=int,
+        default=d.linger,
+        help="keep the live page up this many seconds after the run (Enter ends it)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON here")
 
 

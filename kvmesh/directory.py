@@ -129,7 +129,9 @@ end
 """
 
 # KEYS[1] group; ARGV[1] inc: drop every entry of that incarnation from the group.
-_PURGE_GROUP = _HOLDERS_LUA + """
+_PURGE_GROUP = (
+    _HOLDERS_LUA
+    + """
 local inc = tonumber(ARGV[1])
 local n = 0
 local all = redis.call('HGETALL', KEYS[1])
@@ -146,6 +148,7 @@ for i = 1, #all, 2 do
 end
 return n
 """
+)
 
 _HEARTBEAT = """
 if redis.call('GET', KEYS[1]) ~= ARGV[3] then return 'resync' end
@@ -169,7 +172,9 @@ return 0
 """
 
 # KEYS[1] group; ARGV: inc, tier, hashes...
-_REGISTER = _HOLDERS_LUA + """
+_REGISTER = (
+    _HOLDERS_LUA
+    + """
 local inc = tonumber(ARGV[1])
 local tier = tonumber(ARGV[2])
 local maxh = tonumber(ARGV[3])
@@ -183,9 +188,12 @@ for i = 4, #ARGV do
 end
 return #ARGV - 3
 """
+)
 
 # KEYS[1] group; ARGV: inc, hashes...
-_UNREGISTER = _HOLDERS_LUA + """
+_UNREGISTER = (
+    _HOLDERS_LUA
+    + """
 local inc = tonumber(ARGV[1])
 local n = 0
 for i = 2, #ARGV do
@@ -201,6 +209,7 @@ for i = 2, #ARGV do
 end
 return n
 """
+)
 
 
 # KEYS[1] load, KEYS[2] load_at; ARGV: replica id, packed load, keep_ms. Stamps the report with Redis's clock (what
@@ -320,8 +329,8 @@ def pack_hmget(key: str, hashes: list[bytes]) -> bytes:
     h = len(_FIELD_HEAD)
     body = np.empty((n, h + FIELD_BYTES + 2), dtype=np.uint8)
     body[:, :h] = _FIELD_HEAD
-    body[:, h:h + FIELD_BYTES] = np.frombuffer(joined, dtype=np.uint8).reshape(n, 16)[:, :FIELD_BYTES]
-    body[:, h + FIELD_BYTES:] = _CRLF
+    body[:, h : h + FIELD_BYTES] = np.frombuffer(joined, dtype=np.uint8).reshape(n, 16)[:, :FIELD_BYTES]
+    body[:, h + FIELD_BYTES :] = _CRLF
     return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (n + 2, len(k), k) + body.tobytes()
 
 
@@ -368,7 +377,8 @@ def _cause(e: Exception, timeout_s: float) -> str:
     if isinstance(e, redis.ConnectionError) and "Connection closed by server" in text:
         return f"the server closed the connection: not a Redis server? ({text})"
     if isinstance(e, (RedisClusterException, OSError)) or (
-            isinstance(e, redis.ConnectionError) and "Bad response" not in text):
+        isinstance(e, redis.ConnectionError) and "Bad response" not in text
+    ):
         return f"unreachable ({text})"
     return f"not a Redis server, or not one kvmesh can use ({type(e).__name__}: {text})"
 
@@ -430,12 +440,15 @@ class Directory:
     def join(self, info: NodeInfo, lease_ms: int, last_incarnation: int = 0) -> Lease:
         epoch, inc, prev = self._join(
             keys=[self._k_epoch, self._k_counter, self._k_inc, self._k_deadline, self._k_info, self._k_ver],
-            args=[info.node_id, os.urandom(8).hex(), lease_ms, info.pack(), last_incarnation])
+            args=[info.node_id, os.urandom(8).hex(), lease_ms, info.pack(), last_incarnation],
+        )
         return Lease(info.node_id, int(inc), epoch, int(prev))
 
     def heartbeat(self, lease: Lease, lease_ms: int) -> str:
-        r = self._heartbeat(keys=[self._k_epoch, self._k_inc, self._k_deadline],
-                            args=[lease.node_id, lease.incarnation, lease.epoch, lease_ms])
+        r = self._heartbeat(
+            keys=[self._k_epoch, self._k_inc, self._k_deadline],
+            args=[lease.node_id, lease.incarnation, lease.epoch, lease_ms],
+        )
         return r.decode() if isinstance(r, bytes) else str(r)
 
     def server_identity(self) -> str:
@@ -451,8 +464,11 @@ class Directory:
         return ",".join(sorted(i["run_id"] for i in infos.values())) if isinstance(infos, dict) else str(infos)
 
     def leave(self, lease: Lease) -> bool:
-        return bool(self._leave(keys=[self._k_inc, self._k_deadline, self._k_info, self._k_ver],
-                                args=[lease.node_id, lease.incarnation]))
+        return bool(
+            self._leave(
+                keys=[self._k_inc, self._k_deadline, self._k_info, self._k_ver], args=[lease.node_id, lease.incarnation]
+            )
+        )
 
     def node_table(self) -> NodeTable:
         """The live nodes, one round trip. The rows (incarnations and infos) come again only when the membership
@@ -464,7 +480,8 @@ class Directory:
             ver, epoch, rows = self._table_ver, self._table_epoch, self._rows
         sec, usec, epoch_now, ver_now, incs, leases, infos, whole = self._node_table(
             keys=[self._k_epoch, self._k_inc, self._k_deadline, self._k_info, self._k_ver],
-            args=[ver, epoch, self.table_horizon_ms])
+            args=[ver, epoch, self.table_horizon_ms],
+        )
         now_ms = int(sec) * 1000 + int(usec) // 1000
         deadlines = {node: int(float(ms)) for node, ms in _pairs(leases).items()}
         if whole:
@@ -515,8 +532,7 @@ class Directory:
     def register(self, lease: Lease, tier: int, group: bytes, hashes: list[bytes]) -> None:
         if hashes:
             self._note_owned(lease, [group])
-            self._register(keys=[self.group_key(group)],
-                           args=[lease.incarnation, tier, MAX_HOLDERS, *fields(hashes)])
+            self._register(keys=[self.group_key(group)], args=[lease.incarnation, tier, MAX_HOLDERS, *fields(hashes)])
 
     def unregister(self, lease: Lease, group: bytes, hashes: list[bytes]) -> None:
         if hashes:
@@ -525,8 +541,10 @@ class Directory:
     def register_many(self, lease: Lease, tier: int, groups: dict[bytes, list[bytes]]) -> None:
         """Register several groups in one pipelined round trip per Redis server (used on resync)."""
         self._note_owned(lease, list(groups))
-        self._run_scripts(_REGISTER, [(self.group_key(g), [lease.incarnation, tier, MAX_HOLDERS, *fields(hs)])
-                                      for g, hs in groups.items()])
+        self._run_scripts(
+            _REGISTER,
+            [(self.group_key(g), [lease.incarnation, tier, MAX_HOLDERS, *fields(hs)]) for g, hs in groups.items()],
+        )
 
     def _run_scripts(self, script: str, calls: list[tuple[str, list]]) -> list:
         """`script` once per (key, args), pipelined: one round trip per server that owns any of the keys (Redis
@@ -566,8 +584,12 @@ class Directory:
         groups = list(set(self._redis.smembers(own)) | self._owned.get(incarnation, set()))
         removed = 0
         for i in range(0, len(groups), 256):
-            removed += sum(int(n or 0) for n in self._run_scripts(
-                _PURGE_GROUP, [(self.group_key(g), [incarnation]) for g in groups[i:i + 256]]))
+            removed += sum(
+                int(n or 0)
+                for n in self._run_scripts(
+                    _PURGE_GROUP, [(self.group_key(g), [incarnation]) for g in groups[i : i + 256]]
+                )
+            )
         self._redis.delete(own)
         self._owned.pop(incarnation, None)
         return removed
@@ -644,31 +666,49 @@ class Directory:
                 self._holders_cache[value] = hit
         return hit
 
-    def lookup(self, group: bytes, hashes: list[bytes], table: NodeTable, prefer: str | None = None,
-               newer: Callable[[], NodeTable] | None = None) -> tuple[list[tuple[Holder, ...]], str | None]:
+    def lookup(
+        self,
+        group: bytes,
+        hashes: list[bytes],
+        table: NodeTable,
+        prefer: str | None = None,
+        newer: Callable[[], NodeTable] | None = None,
+    ) -> tuple[list[tuple[Holder, ...]], str | None]:
         """One round trip: the live holders of each leading chunk of `hashes` (registered in `group`) that has one,
         and why the run ends before `hashes` does ("not_cached", "holder_dead"; None if it does not). What the
         client's lookups call. `newer()`: a table read now, asked (once) when an entry names an incarnation newer
         than `table` knows, so a node that joined since `table` was read counts as a holder."""
         return self.longest_prefix_why(self.lookup_raw(group, hashes), table, prefer, newer)
 
-    def holders(self, group: bytes, hashes: list[bytes], table: NodeTable, prefer: str | None = None,
-                newer: Callable[[], NodeTable] | None = None) -> list[tuple[Holder, ...]]:
+    def holders(
+        self,
+        group: bytes,
+        hashes: list[bytes],
+        table: NodeTable,
+        prefer: str | None = None,
+        newer: Callable[[], NodeTable] | None = None,
+    ) -> list[tuple[Holder, ...]]:
         """One round trip: the live holders of every chunk of `hashes` (an empty tuple where none), not only of the
         leading run: what a store checks to skip the chunks already cached. `newer`: as in `lookup`."""
         values = self.lookup_raw(group, hashes)
-        if newer is not None and any(inc > table.newest() for v in set(values) if v
-                                     for inc, _ in self.decode_holders(v)):
+        if newer is not None and any(
+            inc > table.newest() for v in set(values) if v for inc, _ in self.decode_holders(v)
+        ):
             table = newer()
         return [r[0] if (r := self.longest_prefix([v], table, prefer)) else () for v in values]
 
-    def longest_prefix(self, values: list[bytes | None], table: NodeTable,
-                       prefer: str | None = None) -> list[tuple[Holder, ...]]:
+    def longest_prefix(
+        self, values: list[bytes | None], table: NodeTable, prefer: str | None = None
+    ) -> list[tuple[Holder, ...]]:
         return self.longest_prefix_why(values, table, prefer)[0]
 
-    def longest_prefix_why(self, values: list[bytes | None], table: NodeTable, prefer: str | None = None,
-                           newer: Callable[[], NodeTable] | None = None
-                           ) -> tuple[list[tuple[Holder, ...]], str | None]:
+    def longest_prefix_why(
+        self,
+        values: list[bytes | None],
+        table: NodeTable,
+        prefer: str | None = None,
+        newer: Callable[[], NodeTable] | None = None,
+    ) -> tuple[list[tuple[Holder, ...]], str | None]:
         """Holders of each leading chunk that has at least one live holder: the node `prefer` (the caller's own)
         first, then by tier (GPU, CPU, disk). Runs of chunks share one entry value, so each distinct value is
         decoded and filtered once per call."""
@@ -683,8 +723,11 @@ class Directory:
             if row is None:
                 if newer is not None and any(inc > table.newest() for inc, _ in self.decode_holders(v)):
                     table, newer = newer(), None  # a node joined since `table` was read
-                hs = [Holder(info.node_id, inc, tier) for inc, tier in self.decode_holders(v)
-                      if (info := table.live.get(inc)) is not None]
+                hs = [
+                    Holder(info.node_id, inc, tier)
+                    for inc, tier in self.decode_holders(v)
+                    if (info := table.live.get(inc)) is not None
+                ]
                 row = memo[v] = tuple(sorted(hs, key=lambda h: (h.node_id != prefer, h.tier)))
             if not row:
                 why = "holder_dead"
@@ -693,17 +736,31 @@ class Directory:
         return out, why
 
     # -- load reports: where serving replicas stand (kvmesh.routing) ----------------------------------------------
-    def report_load(self, replica_id: str, node_id: str, pending_prefill_tokens: int, queue_depth: int,
-                    keep_ms: int, prefill: tuple[float, ...] | None = None) -> int:
+    def report_load(
+        self,
+        replica_id: str,
+        node_id: str,
+        pending_prefill_tokens: int,
+        queue_depth: int,
+        keep_ms: int,
+        prefill: tuple[float, ...] | None = None,
+    ) -> int:
         """Record a replica's load (and its measured prefill model's coefficients, when it has one), stamped with
         Redis's clock (returned, ms); reports older than `keep_ms` go."""
-        value = msgpack.packb([LOAD_VERSION, node_id, int(pending_prefill_tokens), int(queue_depth)] +
-                              ([[float(x) for x in prefill]] if prefill is not None else []))
+        value = msgpack.packb(
+            [LOAD_VERSION, node_id, int(pending_prefill_tokens), int(queue_depth)]
+            + ([[float(x) for x in prefill]] if prefill is not None else [])
+        )
         return int(self._report_load(keys=[self._k_load, self._k_load_at], args=[replica_id, value, keep_ms]))
 
-    def lookup_with_loads(self, group: bytes, hashes: list[bytes], table: NodeTable, prefer: str | None = None,
-                          newer: Callable[[], NodeTable] | None = None
-                          ) -> tuple[list[tuple[Holder, ...]], str | None, list[LoadRecord]]:
+    def lookup_with_loads(
+        self,
+        group: bytes,
+        hashes: list[bytes],
+        table: NodeTable,
+        prefer: str | None = None,
+        newer: Callable[[], NodeTable] | None = None,
+    ) -> tuple[list[tuple[Holder, ...]], str | None, list[LoadRecord]]:
         """`lookup` and every replica's last load report in one round trip: the HMGET and the two HGETALLs go out
         together on this thread's connections (one in plain Redis; in Redis Cluster the group's server and the
         node keys' server are both sent to before either answer is read)."""
@@ -713,8 +770,9 @@ class Directory:
         loads_cmd = conn_n.pack_commands([("HGETALL", self._k_load), ("HGETALL", self._k_load_at)])
         try:
             if conn_g is None or conn_g is conn_n:
-                conn_n.send_packed_command(([pack_hmget(gkey, hashes)] if hashes else []) + loads_cmd,
-                                           check_health=False)
+                conn_n.send_packed_command(
+                    ([pack_hmget(gkey, hashes)] if hashes else []) + loads_cmd, check_health=False
+                )
                 values = conn_n.read_response() if hashes else []
             else:
                 conn_g.send_packed_command([pack_hmget(gkey, hashes)], check_health=False)
@@ -753,8 +811,9 @@ class Directory:
             except (ValueError, TypeError, KeyError, msgpack.UnpackException):
                 continue
             if version == LOAD_VERSION:
-                out.append(LoadRecord(rid.decode(errors="replace"), str(node_id), int(pending), int(depth), stamp,
-                                      prefill))
+                out.append(
+                    LoadRecord(rid.decode(errors="replace"), str(node_id), int(pending), int(depth), stamp, prefill)
+                )
         return out
 
     # -- spec registry: which specs of a model exist, so a miss can say "spec mismatch" -------------------------

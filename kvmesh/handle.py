@@ -41,11 +41,32 @@ import msgpack
 import numpy as np
 
 from kvmesh.config import KVMeshConfig
-from kvmesh.wire import (GpuReserved, NodeInfo, PinnedChunk, PullThrough, StoreItem, WireError, pack_chunk_header,
-                         pack_gpu_commit, pack_gpu_reserve, pack_gpu_reserved, pack_keys, pack_pin_reply,
-                         pack_pull_through, pack_store, unpack_chunk_header, unpack_gpu_commit, unpack_gpu_reserve,
-                         unpack_gpu_reserved, unpack_keys, unpack_pin_reply, unpack_pin_request, unpack_pull_through,
-                         unpack_request, unpack_store)
+from kvmesh.wire import (
+    GpuReserved,
+    NodeInfo,
+    PinnedChunk,
+    PullThrough,
+    StoreItem,
+    WireError,
+    pack_chunk_header,
+    pack_gpu_commit,
+    pack_gpu_reserve,
+    pack_gpu_reserved,
+    pack_keys,
+    pack_pin_reply,
+    pack_pull_through,
+    pack_store,
+    unpack_chunk_header,
+    unpack_gpu_commit,
+    unpack_gpu_reserve,
+    unpack_gpu_reserved,
+    unpack_keys,
+    unpack_pin_reply,
+    unpack_pin_request,
+    unpack_pull_through,
+    unpack_request,
+    unpack_store,
+)
 
 NAMESPACE = "kvmesh"
 ACTOR_PREFIX = "kvnode-"
@@ -67,8 +88,10 @@ class NodeHello:
     gpu_exports: tuple[bytes, ...] = ()  # the GPU tier's pools (tiers.gpu_ipc.PoolExport, packed), for CUDA IPC
 
     def pack(self) -> bytes:
-        return msgpack.packb([1, self.info.pack(), self.info.incarnation, self.config.to_dict(),
-                              list(self.gpu_exports)], use_bin_type=True)
+        return msgpack.packb(
+            [1, self.info.pack(), self.info.incarnation, self.config.to_dict(), list(self.gpu_exports)],
+            use_bin_type=True,
+        )
 
     @classmethod
     def unpack(cls, data: bytes) -> NodeHello:

@@ -44,8 +44,9 @@ def as_tokens(tokens, name: str = "tokens") -> np.ndarray:
             raise TypeError(f"{name} must be an integer tensor, got dtype {tokens.dtype}")
         arr = tokens.detach().to("cpu").numpy()
     else:
-        raise TypeError(f"{name} must be a list of ints, a 1-D integer torch.Tensor or numpy array, "
-                        f"got {type(tokens).__name__}")
+        raise TypeError(
+            f"{name} must be a list of ints, a 1-D integer torch.Tensor or numpy array, got {type(tokens).__name__}"
+        )
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(arr.shape)}")
     if arr.dtype.kind not in "iu":
@@ -59,8 +60,7 @@ def root_hash(namespace: bytes, cache_salt: str | bytes | None = None) -> bytes:
     """h_0: the namespace with the tenant's salt mixed in."""
     if len(namespace) != HASH_BYTES:
         raise ValueError(f"namespace must be {HASH_BYTES} bytes, got {len(namespace)}")
-    return hashlib.blake2b(namespace + salt_bytes(cache_salt), digest_size=HASH_BYTES,
-                           person=b"kvmesh.salt").digest()
+    return hashlib.blake2b(namespace + salt_bytes(cache_salt), digest_size=HASH_BYTES, person=b"kvmesh.salt").digest()
 
 
 def salt_bytes(cache_salt: str | bytes | None, name: str = "cache_salt") -> bytes:
@@ -73,8 +73,9 @@ def salt_bytes(cache_salt: str | bytes | None, name: str = "cache_salt") -> byte
     raise TypeError(f"{name} must be str, bytes or None, got {type(cache_salt).__name__}")
 
 
-def chunk_hashes(namespace: bytes, tokens: np.ndarray, chunk_tokens: int,
-                 cache_salt: str | bytes | None = None) -> list[bytes]:
+def chunk_hashes(
+    namespace: bytes, tokens: np.ndarray, chunk_tokens: int, cache_salt: str | bytes | None = None
+) -> list[bytes]:
     """Hashes h_1..h_n of the full chunks of `tokens` (a uint32 array from `as_tokens`).
 
     The chain is sequential, so its cost is BLAKE2b's own (9 compressions per 256-token chunk) plus Python's per
@@ -90,6 +91,6 @@ def chunk_hashes(namespace: bytes, tokens: np.ndarray, chunk_tokens: int,
     for i in range(n):
         h = fresh()
         h.update(prev)
-        h.update(data[i * step:(i + 1) * step])
+        h.update(data[i * step : (i + 1) * step])
         out[i] = prev = h.digest()
     return out

@@ -26,8 +26,9 @@ class InflightPulls:
     def __len__(self) -> int:
         return len(self._events)
 
-    def claim(self, keys: list[bytes], held: Callable[[bytes], bool]) -> tuple[list[bytes],
-                                                                               dict[bytes, threading.Event]]:
+    def claim(
+        self, keys: list[bytes], held: Callable[[bytes], bool]
+    ) -> tuple[list[bytes], dict[bytes, threading.Event]]:
         mine: list[bytes] = []
         theirs: dict[bytes, threading.Event] = {}
         for key in dict.fromkeys(keys):  # a key named twice is claimed once (waiting on oneself would deadlock)

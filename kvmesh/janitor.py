@@ -20,8 +20,15 @@ from kvmesh.directory import Directory
 
 
 class Janitor:
-    def __init__(self, directory: Directory, node_id: str, lease_s: float, lease: Callable,
-                 count: Callable[..., None], event: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        directory: Directory,
+        node_id: str,
+        lease_s: float,
+        lease: Callable,
+        count: Callable[..., None],
+        event: Callable[..., None],
+    ) -> None:
         """`lease()`: this node's current lease (the registrar's; it changes on a re-join)."""
         self.directory = directory
         self.node_id = node_id

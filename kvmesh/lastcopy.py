@@ -63,8 +63,17 @@ class Handoff:
 
 
 class LastCopies:
-    def __init__(self, node_id: str, window_s: float, max_bytes: int, recompute_bps: float,
-                 count: Callable[..., None], directory, stats_key: str, peers: Callable) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        window_s: float,
+        max_bytes: int,
+        recompute_bps: float,
+        count: Callable[..., None],
+        directory,
+        stats_key: str,
+        peers: Callable,
+    ) -> None:
         """`count(name, n)`: the node's counters (takes the node's lock: called only from the handoff thread);
         `directory`: the node's `Directory`; `stats_key`: the Redis hash of the nodes' published stats;
         `peers(node_id)`: a handle of that node's KVNode, or None."""
@@ -98,8 +107,16 @@ class LastCopies:
         c = Leaving(nbytes, r.count, time.monotonic() - r.last, replica)
         return save_last_copy(c, self.window_s, self.recompute_bps, MOVE_BPS)
 
-    def leaving(self, key: bytes, group: bytes, nbytes: int, checksum: int, view: Callable[[], memoryview],
-                demoted: bool, replica: bool) -> None:
+    def leaving(
+        self,
+        key: bytes,
+        group: bytes,
+        nbytes: int,
+        checksum: int,
+        view: Callable[[], memoryview],
+        demoted: bool,
+        replica: bool,
+    ) -> None:
         if not self._worth_saving(key, nbytes, replica):
             if not demoted:
                 self._reads.pop(key, None)
@@ -160,8 +177,12 @@ class LastCopies:
             if node == self.node_id or node not in live:
                 continue
             s = msgpack.unpackb(raw, raw=False)
-            free = (s.get("capacity_bytes", 0) - s.get("used_bytes", 0)
-                    + s.get("disk_capacity_bytes", 0) - s.get("disk_used_bytes", 0))
+            free = (
+                s.get("capacity_bytes", 0)
+                - s.get("used_bytes", 0)
+                + s.get("disk_capacity_bytes", 0)
+                - s.get("disk_used_bytes", 0)
+            )
             if free > room:
                 best, room = node, free
         return best

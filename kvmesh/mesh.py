@@ -44,8 +44,9 @@ def kvnode_actor_class():
     return ray.remote(KVNodeActor)
 
 
-def start(redis_url: str | None = None, *, config: KVMeshConfig | None = None, timeout_s: float = 60.0,
-          **options) -> Mesh:
+def start(
+    redis_url: str | None = None, *, config: KVMeshConfig | None = None, timeout_s: float = 60.0, **options
+) -> Mesh:
     """Put exactly one KVNode on every alive Ray node; idempotent (existing nodes are kept as they are, new Ray
     nodes get one). `options` are `KVMeshConfig` fields, e.g. `cpu_bytes=`, `slot_bytes=`, `lease_s=`. Raises
     `kvmesh.DirectoryUnavailable` (a `ConnectionError`) within about 2 x `lease_s` when the directory does not
@@ -74,11 +75,23 @@ def start(redis_url: str | None = None, *, config: KVMeshConfig | None = None, t
         node_id = node["NodeID"]
         name = actor_name(node_id)
         host = node.get("NodeManagerAddress") or "127.0.0.1"
-        placed.append((node_id, cls.options(
-            name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
-            max_concurrency=32, max_restarts=-1, max_task_retries=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **extra,
-        ).remote(cfg.to_dict(), node_id, name, host)))
+        placed.append(
+            (
+                node_id,
+                cls.options(
+                    name=name,
+                    namespace=NAMESPACE,
+                    lifetime="detached",
+                    get_if_exists=True,
+                    num_cpus=0,
+                    max_concurrency=32,
+                    max_restarts=-1,
+                    max_task_retries=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                    **extra,
+                ).remote(cfg.to_dict(), node_id, name, host),
+            )
+        )
     handles = _wait_until_up(ray, placed, timeout_s)
     hellos = [NodeHandle(h, "").hello(timeout_s) for h in handles]
     return Mesh(cfg, tuple(h.info for h in hellos))
@@ -97,8 +110,7 @@ def _wait_until_up(ray, placed: list, timeout_s: float) -> list:
         except Exception as e:
             if _node_alive(ray, node_id):
                 raise
-            log.warning("kvmesh: node %s died while its KVNode started; left out (%s)", node_id,
-                        type(e).__name__)
+            log.warning("kvmesh: node %s died while its KVNode started; left out (%s)", node_id, type(e).__name__)
             try:
                 ray.kill(h, no_restart=True)
             except Exception:  # already gone with its node
@@ -119,7 +131,7 @@ def node_actors() -> dict[str, Any]:
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a["namespace"] == NAMESPACE and a["name"].startswith(ACTOR_PREFIX):
             try:
-                out[a["name"][len(ACTOR_PREFIX):]] = ray.get_actor(a["name"], namespace=NAMESPACE)
+                out[a["name"][len(ACTOR_PREFIX) :]] = ray.get_actor(a["name"], namespace=NAMESPACE)
             except ValueError:
                 pass
     return out

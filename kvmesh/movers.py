@@ -44,8 +44,9 @@ def _layer_shape(layers: Sequence[torch.Tensor]) -> tuple[int, int, int]:
     return bs, h, d
 
 
-def gather_paged(layers: Sequence[torch.Tensor], block_table: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_paged(
+    layers: Sequence[torch.Tensor], block_table: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Chunks [N, L, 2, C, H, D] from paged layers; block_table [N, C // block_size] lists each chunk's pages."""
     bs, h, d = _layer_shape(layers)
     n, pages = block_table.shape
@@ -70,8 +71,14 @@ def scatter_paged(chunks: torch.Tensor, layers: Sequence[torch.Tensor], block_ta
             kv[j][idx] = chunks[:, i, j].view(n, pages, bs, h, d)
 
 
-def gather_contiguous(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], start: int, num_chunks: int,
-                      chunk_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_contiguous(
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    start: int,
+    num_chunks: int,
+    chunk_tokens: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Chunks [N, L, 2, C, H, D] of tokens [start, start + N*C) from per-layer K/V [1, H, T, D]."""
     _, h, _, d = keys[0].shape
     n, c = num_chunks, chunk_tokens
@@ -84,8 +91,13 @@ def gather_contiguous(keys: Sequence[torch.Tensor], values: Sequence[torch.Tenso
     return out
 
 
-def scatter_contiguous(chunks: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                       start: int, layers: range | None = None) -> None:
+def scatter_contiguous(
+    chunks: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    start: int,
+    layers: range | None = None,
+) -> None:
     """Write chunks [N, L', 2, C, H, D] into K/V [1, H, T, D] at token `start`; `layers` names which model
     layers the chunks' L' layers are (default: all)."""
     n, _, _, c, h, d = chunks.shape
@@ -132,29 +144,40 @@ def to_host(chunks: torch.Tensor, host_dsts: Sequence, stream: torch.cuda.Stream
     return done
 
 
-def store_paged(layers: Sequence[torch.Tensor], block_table: torch.Tensor, host_dsts: Sequence,
-                batch_chunks: int = 8, stream: torch.cuda.Stream | None = None):
+def store_paged(
+    layers: Sequence[torch.Tensor],
+    block_table: torch.Tensor,
+    host_dsts: Sequence,
+    batch_chunks: int = 8,
+    stream: torch.cuda.Stream | None = None,
+):
     """Engine pages -> host chunks without stalling the compute stream: on a side stream, gather `batch_chunks`
     chunks at a time into one of two device staging buffers and DMA each chunk out, so the gather of batch i+1
     overlaps the copies of batch i. Returns the final CUDA event (None on the CPU, where it runs inline)."""
     if not layers[0].is_cuda:
         n = block_table.shape[0]
         for a in range(0, n, batch_chunks):
-            to_host(gather_paged(layers, block_table[a:a + batch_chunks]), host_dsts[a:a + batch_chunks])
+            to_host(gather_paged(layers, block_table[a : a + batch_chunks]), host_dsts[a : a + batch_chunks])
         return None
     return _drain(_store_batches(layers, block_table, host_dsts, batch_chunks, stream))
 
 
-def load_paged(host_srcs: Sequence, spec: KVSpec, layers: Sequence[torch.Tensor], block_table: torch.Tensor,
-               batch_chunks: int = 8, stream: torch.cuda.Stream | None = None):
+def load_paged(
+    host_srcs: Sequence,
+    spec: KVSpec,
+    layers: Sequence[torch.Tensor],
+    block_table: torch.Tensor,
+    batch_chunks: int = 8,
+    stream: torch.cuda.Stream | None = None,
+):
     """Host chunks -> engine pages, pipelined: one DMA per chunk into one of two device staging buffers, and
     the scatter of batch i (on its own stream) overlaps the copies of batch i+1. Completion is per batch, not
     per layer (see `to_device` for layer-wise). Returns the final CUDA event (None on the CPU)."""
     if not layers[0].is_cuda:
         n = block_table.shape[0]
         for a in range(0, n, batch_chunks):
-            ld = to_device(host_srcs[a:a + batch_chunks], spec, layers[0].device)
-            scatter_paged(ld.staging, layers, block_table[a:a + batch_chunks])
+            ld = to_device(host_srcs[a : a + batch_chunks], spec, layers[0].device)
+            scatter_paged(ld.staging, layers, block_table[a : a + batch_chunks])
         return None
     return _drain(_load_batches(host_srcs, spec, layers, block_table, batch_chunks, stream))
 
@@ -167,10 +190,14 @@ def load_and_store_paged(load: tuple, store: tuple, batch_chunks: int = 8) -> tu
     host_srcs, spec, dst_layers, load_table = load
     src_layers, store_table, host_dsts = store
     if not dst_layers[0].is_cuda:
-        return (load_paged(host_srcs, spec, dst_layers, load_table, batch_chunks),
-                store_paged(src_layers, store_table, host_dsts, batch_chunks))
-    steps = [_load_batches(host_srcs, spec, dst_layers, load_table, batch_chunks, None),
-             _store_batches(src_layers, store_table, host_dsts, batch_chunks, None)]
+        return (
+            load_paged(host_srcs, spec, dst_layers, load_table, batch_chunks),
+            store_paged(src_layers, store_table, host_dsts, batch_chunks),
+        )
+    steps = [
+        _load_batches(host_srcs, spec, dst_layers, load_table, batch_chunks, None),
+        _store_batches(src_layers, store_table, host_dsts, batch_chunks, None),
+    ]
     last: list = [None, None]
     live = [0, 1]
     while live:
@@ -353,9 +380,16 @@ def _runs(srcs: Sequence[torch.Tensor], nbytes: int) -> list[tuple[int, int, int
     return runs
 
 
-def to_device(host_srcs: Sequence, spec: KVSpec, device: torch.device | str, *, min_copy_bytes: int = 8 * MiB,
-              stream: torch.cuda.Stream | None = None, out: torch.Tensor | None = None,
-              strided: bool | None = None) -> LayerwiseLoad:
+def to_device(
+    host_srcs: Sequence,
+    spec: KVSpec,
+    device: torch.device | str,
+    *,
+    min_copy_bytes: int = 8 * MiB,
+    stream: torch.cuda.Stream | None = None,
+    out: torch.Tensor | None = None,
+    strided: bool | None = None,
+) -> LayerwiseLoad:
     """Copy N chunks (host buffers of spec.chunk_bytes, page-locked for speed; or device buffers on `device`) to
     the device, layer group by layer group: group g of every chunk is copied before group g+1 starts, so early
     layers complete first.
@@ -367,8 +401,7 @@ def to_device(host_srcs: Sequence, spec: KVSpec, device: torch.device | str, *, 
     of at least `min_copy_bytes` per chunk."""
     device = torch.device(device)
     n = len(host_srcs)
-    staging = out if out is not None else torch.empty((n, *spec.chunk_shape), dtype=spec.torch_dtype,
-                                                        device=device)
+    staging = out if out is not None else torch.empty((n, *spec.chunk_shape), dtype=spec.torch_dtype, device=device)
     flat = staging.view(n, -1).view(torch.uint8)
     srcs = [_as_bytes(b) for b in host_srcs]
     layer_bytes = spec.chunk_bytes // spec.num_layers
@@ -416,22 +449,30 @@ def copy_run(flat: torch.Tensor, i0: int, count: int, src0: torch.Tensor, stride
     """Bytes [a, b) of `count` sources spaced `stride` bytes apart in one storage (starting at `src0`, a uint8
     view) into rows i0.. of `flat`, as one torch copy over strided views (in 8-byte words where aligned)."""
     w = b - a
-    unit = 8 if w % 8 == 0 and stride % 8 == 0 and a % 8 == 0 and flat.stride(0) % 8 == 0 \
-        and src0.storage_offset() % 8 == 0 and flat.storage_offset() % 8 == 0 else 1
+    unit = (
+        8
+        if w % 8 == 0
+        and stride % 8 == 0
+        and a % 8 == 0
+        and flat.stride(0) % 8 == 0
+        and src0.storage_offset() % 8 == 0
+        and flat.storage_offset() % 8 == 0
+        else 1
+    )
     dtype = torch.int64 if unit == 8 else torch.uint8
     base = src0 if unit == 1 else src0[: src0.numel() // 8 * 8].view(dtype)
     src = base.as_strided((count, w // unit), (stride // unit, 1), base.storage_offset() + a // unit)
-    dst = flat[i0:i0 + count, a:b]
+    dst = flat[i0 : i0 + count, a:b]
     (dst if unit == 1 else dst.view(dtype)).copy_(src, non_blocking=True)
 
 
-def _copy_2d(flat: torch.Tensor, i0: int, count: int, src0: torch.Tensor, stride: int, a: int, b: int,
-             stream) -> bool:
+def _copy_2d(flat: torch.Tensor, i0: int, count: int, src0: torch.Tensor, stride: int, a: int, b: int, stream) -> bool:
     """Bytes [a, b) of `count` evenly spaced sources into rows i0.. of `flat`, as one strided copy."""
     from kvmesh.cudart import CudaError, memcpy_2d_async
 
     try:
-        return memcpy_2d_async(flat[i0].data_ptr() + a, flat.stride(0), src0.data_ptr() + a, stride, b - a, count,
-                               stream)
+        return memcpy_2d_async(
+            flat[i0].data_ptr() + a, flat.stride(0), src0.data_ptr() + a, stride, b - a, count, stream
+        )
     except CudaError:  # e.g. memory the runtime does not know: copy chunk by chunk instead
         return False

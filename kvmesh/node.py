@@ -38,8 +38,8 @@ import secrets
 import threading
 import time
 from collections import Counter
-from typing import Any
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import redis
@@ -59,8 +59,8 @@ from kvmesh.replication import Replicas
 from kvmesh.telemetry import RayExporter, Records, export_node_stats
 from kvmesh.tiers import TIER_DISK, TIER_NAMES, checksum
 from kvmesh.tiers.cpu import CpuTier
-from kvmesh.transport import DataClient, DataServer
 from kvmesh.tiers.slots import StoreTicket
+from kvmesh.transport import DataClient, DataServer
 from kvmesh.wire import GpuReserved, NodeInfo, PinnedChunk, StoreItem, WireError
 from kvmesh.wire import PullThrough as PullRequest
 
@@ -100,8 +100,9 @@ def fit_slots(num_slots: int, slot_bytes: int, free_bytes: int) -> int:
 
 
 class KVNode:
-    def __init__(self, config: KVMeshConfig | dict, node_id: str, actor_name: str = "",
-                 host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, config: KVMeshConfig | dict, node_id: str, actor_name: str = "", host: str = "127.0.0.1"
+    ) -> None:
         self.config = config if isinstance(config, KVMeshConfig) else KVMeshConfig(**config)
         self.node_id = node_id
         self.stats_counts: Counter[str] = Counter()
@@ -119,16 +120,27 @@ class KVNode:
         st = os.statvfs(cfg.shm_dir)
         num_slots = fit_slots(cfg.num_slots, cfg.slot_bytes, st.f_bavail * st.f_frsize)
         if num_slots < cfg.num_slots:  # one config for every node; this one's /dev/shm is smaller
-            log.warning("KVNode %s: cpu_bytes %d does not fit the %d bytes free in %s: a CPU tier of %d slots",
-                        node_id[:8], cfg.cpu_bytes, st.f_bavail * st.f_frsize, cfg.shm_dir, num_slots)
+            log.warning(
+                "KVNode %s: cpu_bytes %d does not fit the %d bytes free in %s: a CPU tier of %d slots",
+                node_id[:8],
+                cfg.cpu_bytes,
+                st.f_bavail * st.f_frsize,
+                cfg.shm_dir,
+                num_slots,
+            )
         self.tier = CpuTier(path, num_slots, cfg.slot_bytes)  # the slab every reader maps
         disk = None
         if cfg.disk_bytes:
             from kvmesh.tiers.disk import DiskTier, claim_directory
 
             disk_path, lock_fd = claim_directory(cfg.disk_dir, node_id)  # not named by the node id: see there
-            disk = DiskTier(disk_path, cfg.disk_bytes // cfg.slot_bytes, cfg.slot_bytes,
-                            direct_io=cfg.disk_direct_io, lock_fd=lock_fd)
+            disk = DiskTier(
+                disk_path,
+                cfg.disk_bytes // cfg.slot_bytes,
+                cfg.slot_bytes,
+                direct_io=cfg.disk_direct_io,
+                lock_fd=lock_fd,
+            )
         self.cascade = Cascade(self.tier, self._gpu_tier(), disk, cfg.write_policy)
         self._io: queue.SimpleQueue = queue.SimpleQueue()  # disk writes and the start-up verification (I/O threads)
         recovered = disk.recover() if disk is not None else []
@@ -145,18 +157,40 @@ class KVNode:
         try:
             if cfg.peer_transport == "tcp":
                 self.data_server = DataServer(self._pin_for_send, self._unpin_sent, host)
-            self.info = NodeInfo(node_id, actor_name, path, num_slots * cfg.slot_bytes, cfg.slot_bytes,
-                                 self.data_server.address if self.data_server else "")
+            self.info = NodeInfo(
+                node_id,
+                actor_name,
+                path,
+                num_slots * cfg.slot_bytes,
+                cfg.slot_bytes,
+                self.data_server.address if self.data_server else "",
+            )
             self.directory = Directory(cfg.redis_url, cfg.key_prefix)
             self.directory.table_horizon_ms = horizon_for(cfg.node_refresh_s)
             # what pull-throughs keep (hot-prefix replicas) and what they only brought for their readers
-            self.replicas = Replicas(self.directory.redis, cfg.key_prefix, node_id, cfg.replicate_min_readers,
-                                     cfg.replicate_window_s, cfg.replicate_max_bytes)
-            self.janitor = Janitor(self.directory, node_id, cfg.lease_s, lambda: self.registrar.lease, self._count,
-                                   self._event)
-            self.registrar = Registrar(self.directory, self.info, self._lease_ms, cfg.heartbeat_s, self.lock,
-                                       self._registrable, self.cascade.holds_group, self._count,
-                                       self._event, self.janitor.purge_later)
+            self.replicas = Replicas(
+                self.directory.redis,
+                cfg.key_prefix,
+                node_id,
+                cfg.replicate_min_readers,
+                cfg.replicate_window_s,
+                cfg.replicate_max_bytes,
+            )
+            self.janitor = Janitor(
+                self.directory, node_id, cfg.lease_s, lambda: self.registrar.lease, self._count, self._event
+            )
+            self.registrar = Registrar(
+                self.directory,
+                self.info,
+                self._lease_ms,
+                cfg.heartbeat_s,
+                self.lock,
+                self._registrable,
+                self.cascade.holds_group,
+                self._count,
+                self._event,
+                self.janitor.purge_later,
+            )
         except Exception:
             if self.data_server:
                 self.data_server.shutdown()
@@ -169,14 +203,23 @@ class KVNode:
         self.peers = lambda node: NodeHandle.find(node, self.node_id)  # a peer's KVNode (without Ray: none)
         self._peers = DataClient()  # this node's connections to peers' DataServers
         self._pull_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-node-pull")
-        self.pull_through_part = PullThrough(self, Fetcher(Env(node_id, None, None, 0, lambda n: self.peers(n),
-                                                               self.view, self._peers, self._pull_pool)),
-                                             self._count)
+        self.pull_through_part = PullThrough(
+            self,
+            Fetcher(Env(node_id, None, None, 0, lambda n: self.peers(n), self.view, self._peers, self._pull_pool)),
+            self._count,
+        )
         self._records = Records(self.directory.redis, cfg.key_prefix)
         # the last copies of chunks other nodes read: handed to a peer instead of dropped (cluster eviction)
-        self.last_copies = LastCopies(node_id, cfg.last_copy_window_s, cfg.handoff_max_bytes,
-                                      cfg.recompute_bytes_per_s, self._count, self.directory, self._records.k_stats,
-                                      lambda n: self.peers(n))
+        self.last_copies = LastCopies(
+            node_id,
+            cfg.last_copy_window_s,
+            cfg.handoff_max_bytes,
+            cfg.recompute_bytes_per_s,
+            self._count,
+            self.directory,
+            self._records.k_stats,
+            lambda n: self.peers(n),
+        )
         self.cascade.on_leave = self._on_leave
         self._ray_metrics = RayExporter()
         self._last_published: dict = {}
@@ -195,8 +238,14 @@ class KVNode:
                 t = threading.Thread(target=self._io_loop, name=f"kvmesh-node-io-{i}", daemon=True)
                 t.start()
                 self._io_threads.append(t)
-        log.info("KVNode %s incarnation %d: %d slots of %d bytes at %s", node_id[:8], self.lease.incarnation,
-                 num_slots, cfg.slot_bytes, path)
+        log.info(
+            "KVNode %s incarnation %d: %d slots of %d bytes at %s",
+            node_id[:8],
+            self.lease.incarnation,
+            num_slots,
+            cfg.slot_bytes,
+            path,
+        )
 
     def _gpu_tier(self):
         cfg = self.config
@@ -223,8 +272,11 @@ class KVNode:
         try:  # the node id, not the incarnation, names the pools: a re-join keeps them (they are the same memory)
             return tuple(e.pack() for e in gpu.exports(self.node_id, self.info.slab_path))
         except GpuIpcError as e:
-            log.info("KVNode %s: GPU tier not exported (%s): readers get its chunks through the slab",
-                     self.node_id[:8], e.reason)
+            log.info(
+                "KVNode %s: GPU tier not exported (%s): readers get its chunks through the slab",
+                self.node_id[:8],
+                e.reason,
+            )
             return ()
 
     @property
@@ -247,7 +299,7 @@ class KVNode:
         """`gpu`: the reader maps this node's GPU pools (CUDA IPC): the leading keys held in the GPU tier are pinned
         there and read device to device, the rest in the slab (brought into it from the other tiers)."""
         on_gpu = self._pin_gpu(keys) if gpu else []
-        slots = self._pin_host(keys[len(on_gpu):]) if len(on_gpu) < len(keys) else []
+        slots = self._pin_host(keys[len(on_gpu) :]) if len(on_gpu) < len(keys) else []
         with self.lock:
             self._account(requester or self.node_id, slots)
             pin_id = next(self._pin_ids)
@@ -284,7 +336,7 @@ class KVNode:
             self.cascade.discard_corrupt()
             slots = self.cascade.finish_host(keys, n, reads, ok)
             if self.cascade.gpu is not None and self.config.promote_on_hit:
-                self._promote.extend(keys[:len(slots)])
+                self._promote.extend(keys[: len(slots)])
             if reads:
                 self._post_changes()
         return slots
@@ -347,7 +399,7 @@ class KVNode:
         rows, bad, off = [], [], 0
         try:
             for s, n in zip(slots, sizes):
-                dst = out[off:off + n]
+                dst = out[off : off + n]
                 np.copyto(dst, np.frombuffer(self.tier.chunk_view(s), dtype=np.uint8))
                 c = checksum(dst)
                 if c != self.tier.record(s).checksum:
@@ -365,8 +417,9 @@ class KVNode:
         self._drop(bad_keys)
         return Pulled(rows, out[:off])
 
-    def _pin_for_send(self, keys: list[bytes], requester: str = "") -> tuple[list[int], list[tuple[int, int]],
-                                                                           list[memoryview]]:
+    def _pin_for_send(
+        self, keys: list[bytes], requester: str = ""
+    ) -> tuple[list[int], list[tuple[int, int]], list[memoryview]]:
         """For the DataServer: pin the leading run of `keys`; the client verifies the checksums it receives."""
         slots = self._pin_host(keys)
         with self.lock:
@@ -392,8 +445,15 @@ class KVNode:
         """Caller (the cascade, evicting from the slab) holds the lock; the chunk's bytes are still in `slot`."""
         if below is not None and below != TIER_DISK:
             return  # (a copy stays in the GPU tier above)
-        self.last_copies.leaving(rec.key, rec.group, rec.nbytes, rec.checksum, lambda: self.tier.chunk_view(slot),
-                                 below is not None, self.replicas.is_replica(rec.key))
+        self.last_copies.leaving(
+            rec.key,
+            rec.group,
+            rec.nbytes,
+            rec.checksum,
+            lambda: self.tier.chunk_view(slot),
+            below is not None,
+            self.replicas.is_replica(rec.key),
+        )
 
     def _registrable(self) -> list[tuple[bytes, bytes, int]]:
         """Caller holds the lock: what the directory should list (every chunk held, but those a pull-through
@@ -417,7 +477,7 @@ class KVNode:
             if item.nbytes > self.tier.slot_bytes:
                 counts["store_refused_too_big"] += 1
                 continue
-            src = buf[offsets[idx]:offsets[idx + 1]]
+            src = buf[offsets[idx] : offsets[idx + 1]]
             with self.lock:
                 ticket = self.cascade.prepare(item.key, item.group, item.nbytes)
                 top = self.cascade.top
@@ -589,14 +649,18 @@ class KVNode:
             if kind == "write":
                 ok = True
                 try:
-                    disk.write_chunk(item.ticket.slot, item.data, item.nbytes, item.ticket.key, item.group,
-                                     item.checksum)
+                    disk.write_chunk(
+                        item.ticket.slot, item.data, item.nbytes, item.ticket.key, item.group, item.checksum
+                    )
                 except OSError as e:
                     ok = False
                     code = errno.errorcode.get(e.errno or 0, "error")
                     self._count(f"disk_write_{code}")
-                    log.warning("KVNode %s: disk write failed (%s); the chunk stays where it was or is dropped",
-                                self.node_id[:8], e)
+                    log.warning(
+                        "KVNode %s: disk write failed (%s); the chunk stays where it was or is dropped",
+                        self.node_id[:8],
+                        e,
+                    )
                     self._event("disk_write_failed", code, str(e))
                 with self.lock:
                     self.cascade.finish_write(item, ok)
@@ -682,27 +746,55 @@ class KVNode:
         with self.lock:
             d: dict[str, Any] = dict(self.stats_counts)
             c = self.cascade
-            d.update(c.counts, evictions=sum(c.evictions.values()), evictions_by_tier=dict(c.evictions),
-                     tier_flows=[[src, dst, n, c.flow_bytes[(src, dst)]] for (src, dst), n in c.flows.items()])
-            d.update(node_id=self.node_id, pid=os.getpid(), incarnation=self.lease.incarnation, chunks=len(self.tier),
-                     used_bytes=self.tier.used_bytes, capacity_bytes=self.tier.num_slots * self.tier.slot_bytes,
-                     pinned=sum(len(s) + len(g) for s, g, _ in self._pins.values()), fenced=self.fenced,
-                     slab_devsums_queued=self.tier.devsum_queued() + self._devsum_busy)
+            d.update(
+                c.counts,
+                evictions=sum(c.evictions.values()),
+                evictions_by_tier=dict(c.evictions),
+                tier_flows=[[src, dst, n, c.flow_bytes[(src, dst)]] for (src, dst), n in c.flows.items()],
+            )
+            d.update(
+                node_id=self.node_id,
+                pid=os.getpid(),
+                incarnation=self.lease.incarnation,
+                chunks=len(self.tier),
+                used_bytes=self.tier.used_bytes,
+                capacity_bytes=self.tier.num_slots * self.tier.slot_bytes,
+                pinned=sum(len(s) + len(g) for s, g, _ in self._pins.values()),
+                fenced=self.fenced,
+                slab_devsums_queued=self.tier.devsum_queued() + self._devsum_busy,
+            )
             disk = self.cascade.disk
             if disk is not None:
-                d.update(disk_chunks=len(disk), disk_used_bytes=disk.used_bytes,
-                         disk_capacity_bytes=disk.num_slots * disk.slot_bytes, disk_direct_io=disk.direct_io,
-                         disk_pending_io=self._io.qsize())
+                d.update(
+                    disk_chunks=len(disk),
+                    disk_used_bytes=disk.used_bytes,
+                    disk_capacity_bytes=disk.num_slots * disk.slot_bytes,
+                    disk_direct_io=disk.direct_io,
+                    disk_pending_io=self._io.qsize(),
+                )
             gpu = self.cascade.gpu
             if gpu is not None:
-                d.update(gpu_chunks=len(gpu), gpu_used_bytes=gpu.used_bytes,
-                         gpu_capacity_bytes=gpu.num_slots * gpu.slot_bytes)
-            d["tiers"] = [{"tier": TIER_NAMES[t.tier_id], "chunks": len(t), "used_bytes": t.used_bytes,
-                           "capacity_bytes": t.num_slots * t.slot_bytes} for t in self.cascade._tiers()]
+                d.update(
+                    gpu_chunks=len(gpu),
+                    gpu_used_bytes=gpu.used_bytes,
+                    gpu_capacity_bytes=gpu.num_slots * gpu.slot_bytes,
+                )
+            d["tiers"] = [
+                {
+                    "tier": TIER_NAMES[t.tier_id],
+                    "chunks": len(t),
+                    "used_bytes": t.used_bytes,
+                    "capacity_bytes": t.num_slots * t.slot_bytes,
+                }
+                for t in self.cascade._tiers()
+            ]
             d.update(self.last_copies.counts)
             d["saved_last_copies"] = d["last_copy_saved_disk"] + d.get("handoff_ok", 0)
-            d.update(replicated_chunks=self.replicas.replicated_chunks,
-                     replicated_bytes=self.replicas.replicated_bytes, transient_chunks=self.replicas.transient_chunks)
+            d.update(
+                replicated_chunks=self.replicas.replicated_chunks,
+                replicated_bytes=self.replicas.replicated_bytes,
+                transient_chunks=self.replicas.transient_chunks,
+            )
             d["served_bytes"] = dict(self._served)
             d["top_prefixes"] = [[g.hex(), n] for g, n in self._group_hits.most_common(10)]
             d["time"] = time.time()
@@ -728,8 +820,9 @@ class KVNode:
             assert not moved, f"{len(moved)} directory entries name the wrong tier"
             indexed = self.directory.redis.smembers(self.directory.own_key(self.lease.incarnation))
             groups = {g for g, _ in held}
-            assert indexed == groups, (f"the purge index lists {len(indexed - groups)} group(s) not held and misses "
-                                       f"{len(groups - indexed)}")
+            assert indexed == groups, (
+                f"the purge index lists {len(indexed - groups)} group(s) not held and misses {len(groups - indexed)}"
+            )
 
     def shutdown(self) -> None:
         if self._closed:

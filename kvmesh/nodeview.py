@@ -44,8 +44,14 @@ EMPTY = NodeTable(None, 0, {}, (), {})
 
 
 class NodeView:
-    def __init__(self, read: Callable[[], NodeTable], retry_s: float = 5.0, max_age_s: float = 0.5,
-                 publish: TableFile | None = None, direct: Callable[[], NodeTable] | None = None) -> None:
+    def __init__(
+        self,
+        read: Callable[[], NodeTable],
+        retry_s: float = 5.0,
+        max_age_s: float = 0.5,
+        publish: TableFile | None = None,
+        direct: Callable[[], NodeTable] | None = None,
+    ) -> None:
         """`publish`: where each table read is relayed to this node's clients (a KVNode's view); `direct`: the
         directory's own read where `read` may answer from a relay (a client's view)."""
         self._read = read
@@ -122,10 +128,20 @@ class TableFile:
 
     def write(self, table: NodeTable, at: float) -> None:
         """`at`: when `table` was read (time.monotonic(), one clock for every process of the machine)."""
-        data = msgpack.packb([TABLE_FILE_VERSION, at, table.epoch, table.now_ms,
-                              [[inc, info.pack()] for inc, info in table.live.items()], list(table.dead),
-                              list(table.deadlines.items()), list((table.dead_incarnations or {}).items()),
-                              read_at(table)], use_bin_type=True)
+        data = msgpack.packb(
+            [
+                TABLE_FILE_VERSION,
+                at,
+                table.epoch,
+                table.now_ms,
+                [[inc, info.pack()] for inc, info in table.live.items()],
+                list(table.dead),
+                list(table.deadlines.items()),
+                list((table.dead_incarnations or {}).items()),
+                read_at(table),
+            ],
+            use_bin_type=True,
+        )
         tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}"
         try:
             with open(tmp, "wb") as f:
@@ -149,10 +165,16 @@ class TableFile:
             if not -1.0 <= age <= max_age_s:
                 return None
             live = {int(inc): NodeInfo.unpack(raw, incarnation=int(inc)) for inc, raw in o[4]}
-            return NodeTable(o[2], int(o[3]) + int(age * 1000), live, tuple(o[5]),
-                             {int(i): int(d) for i, d in o[6]}, {str(n): int(i) for n, i in o[7]}, int(o[8]))
-        except (OSError, ValueError, TypeError, IndexError, msgpack.ExtraData, msgpack.FormatError,
-                msgpack.StackError):
+            return NodeTable(
+                o[2],
+                int(o[3]) + int(age * 1000),
+                live,
+                tuple(o[5]),
+                {int(i): int(d) for i, d in o[6]},
+                {str(n): int(i) for n, i in o[7]},
+                int(o[8]),
+            )
+        except (OSError, ValueError, TypeError, IndexError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
             return None
 
     def remove(self) -> None:
@@ -162,11 +184,14 @@ class TableFile:
             pass
 
 
-def relayed(file: Callable[[], TableFile | None], read: Callable[[], NodeTable],
-            max_age_s: float) -> Callable[[], NodeTable]:
+def relayed(
+    file: Callable[[], TableFile | None], read: Callable[[], NodeTable], max_age_s: float
+) -> Callable[[], NodeTable]:
     """A client's node-table read: its node's relayed table while fresh, else `read` (the directory)."""
+
     def read_table() -> NodeTable:
         f = file()
         table = f.read(max_age_s) if f is not None else None
         return table if table is not None else read()
+
     return read_table

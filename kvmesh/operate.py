@@ -50,15 +50,16 @@ def _alive(pid: int) -> bool:
 # -- up ------------------------------------------------------------------------------------------------------------
 def up_local(config_path: str | None, nodes: int, port: int, timeout_s: float = 180.0, out=print) -> int:
     from kvmesh.config import KVMeshConfig
-
     from kvmesh.local import redis_server_binary
 
     KVMeshConfig.load(config_path)  # bad options fail here, in one line, not in the background
     redis_server_binary()  # and so does a missing redis-server (kvmesh[local])
     st = read_state()
     if st and _alive(st["pid"]):
-        out(f"kvmesh is already up (pid {st['pid']}): ray {st['ray_address']}, redis {redact_url(st['redis_url'])}, "
-            f"live page {st['dashboard_url']}")
+        out(
+            f"kvmesh is already up (pid {st['pid']}): ray {st['ray_address']}, redis {redact_url(st['redis_url'])}, "
+            f"live page {st['dashboard_url']}"
+        )
         return 0
     state_dir().mkdir(parents=True, exist_ok=True)
     state_file().unlink(missing_ok=True)
@@ -66,16 +67,19 @@ def up_local(config_path: str | None, nodes: int, port: int, timeout_s: float = 
     cmd = [sys.executable, "-m", "kvmesh.cli", "_supervise", "--nodes", str(nodes), "--port", str(port)]
     if config_path:
         cmd += ["--config", config_path]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)  # outlives this command
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+    )  # outlives this command
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         st = read_state()
         if st:
-            out(f"kvmesh is up: {len(st['nodes'])} node(s)\n  ray address  {st['ray_address']}\n"
+            out(
+                f"kvmesh is up: {len(st['nodes'])} node(s)\n  ray address  {st['ray_address']}\n"
                 f"  redis        {redact_url(st['redis_url'])}\n  live page    {st['dashboard_url']}\n"
-                f"  workers: ray.init(address=\"{st['ray_address']}\"); kvmesh.connect(spec)\n"
-                f"  stop with: kvmesh down")
+                f'  workers: ray.init(address="{st["ray_address"]}"); kvmesh.connect(spec)\n'
+                f"  stop with: kvmesh down"
+            )
             return 0
         if proc.poll() is not None:
             out(f"kvmesh up failed (exit {proc.returncode}); see {state_dir() / 'up.log'}")
@@ -106,9 +110,15 @@ def supervise(config_path: str | None, nodes: int, port: int) -> int:
             signal.signal(sig, lambda *_: stop.set())
         mesh = kvmesh.start(config=cfg.replace(redis_url=redis_server.url))
         dash = Dashboard(redis_server.url, cfg.key_prefix, port=port).start()
-        state = {"pid": os.getpid(), "ray_address": cluster.address, "redis_url": redis_server.url,
-                 "key_prefix": cfg.key_prefix, "dashboard_url": dash.url, "nodes": mesh.node_ids,
-                 "started": time.time()}
+        state = {
+            "pid": os.getpid(),
+            "ray_address": cluster.address,
+            "redis_url": redis_server.url,
+            "key_prefix": cfg.key_prefix,
+            "dashboard_url": dash.url,
+            "nodes": mesh.node_ids,
+            "started": time.time(),
+        }
         tmp = state_file().with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(state_file())
@@ -153,12 +163,15 @@ def up_join(address: str, config_path: str | None, redis_url: str | None, host: 
         cfg = cfg.replace(redis_url=redis_url)
     ray.init(address=address, namespace="kvmesh", logging_level="WARNING", log_to_driver=False)
     mesh = kvmesh.start(config=cfg)
-    actor = ray.remote(DashboardActor).options(name="kvmesh-dashboard", namespace="kvmesh", lifetime="detached",
-                                                get_if_exists=True, num_cpus=0)
+    actor = ray.remote(DashboardActor).options(
+        name="kvmesh-dashboard", namespace="kvmesh", lifetime="detached", get_if_exists=True, num_cpus=0
+    )
     actor = actor.remote(cfg.redis_url, cfg.key_prefix, host, port)
     url = ray.get(actor.url.remote(), timeout=60)
-    out(f"kvmesh is up on {address}: {len(mesh.nodes)} KVNode(s), directory {redact_url(cfg.redis_url)}\n"
-        f"  live page  {url}")
+    out(
+        f"kvmesh is up on {address}: {len(mesh.nodes)} KVNode(s), directory {redact_url(cfg.redis_url)}\n"
+        f"  live page  {url}"
+    )
     return 0
 
 
@@ -194,17 +207,22 @@ def status(redis_url: str | None, key_prefix: str | None, out=print) -> int:
         return 1
     rows = [("node", "state", "incarnation", "tiers (used / capacity, chunks)")]
     for n in s["nodes"]:
-        tiers = ", ".join(f"{t['tier']} {t['used_bytes'] / MiB:.0f}/{t['capacity_bytes'] / MiB:.0f} MiB "
-                          f"({t['chunks']})" for t in n.get("tiers", []))
-        rows.append((n["node_id"][:12], "alive" if n["alive"] else "dead", str(n.get("incarnation") or "-"),
-                     tiers or "-"))
+        tiers = ", ".join(
+            f"{t['tier']} {t['used_bytes'] / MiB:.0f}/{t['capacity_bytes'] / MiB:.0f} MiB ({t['chunks']})"
+            for t in n.get("tiers", [])
+        )
+        rows.append(
+            (n["node_id"][:12], "alive" if n["alive"] else "dead", str(n.get("incarnation") or "-"), tiers or "-")
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         out("  ".join(c.ljust(w) for c, w in zip(r, widths)))
     hr = "-" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f} %"
     share = "-" if s["reuse_fraction"] is None else f"{100 * s['reuse_fraction']:.1f} %"
-    out(f"lookups {s['lookups']}, hit rate {hr}; prompt tokens reused {s['reused_tokens']} ({share}), "
-        f"recomputed {s['recomputed_tokens']}")
+    out(
+        f"lookups {s['lookups']}, hit rate {hr}; prompt tokens reused {s['reused_tokens']} ({share}), "
+        f"recomputed {s['recomputed_tokens']}"
+    )
     if s["misses"]:
         out("misses: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(s["misses"].items())))
     return 0

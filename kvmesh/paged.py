@@ -87,7 +87,8 @@ class LearnedCodec:
         n = blocks.shape[0]
         flat = blocks.reshape(n, -1)
         return flat.index_select(1, self.to_piece.to(flat.device)).view(
-            n, 2, self.block_size, self.num_kv_heads, self.head_dim)
+            n, 2, self.block_size, self.num_kv_heads, self.head_dim
+        )
 
     def blocks(self, pieces: torch.Tensor) -> torch.Tensor:
         n = pieces.shape[0]
@@ -102,13 +103,19 @@ _DIGIT = 128
 
 def _num_digits(largest: int) -> int:
     k = 1
-    while _DIGIT ** k <= largest:
+    while _DIGIT**k <= largest:
         k += 1
     return k
 
 
-def learn_codec(write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None], block_shape: Sequence[int],
-                block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> LearnedCodec:
+def learn_codec(
+    write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+    block_shape: Sequence[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> LearnedCodec:
     """Learn how a cache-write kernel packs one block. `write(key, value, cache)` must store `key`/`value`
     ([block_size, H, D] each) as the tokens of block 1 of `cache` ([2, *block_shape], zeroed). Raises ValueError
     if what the kernel wrote is not a permutation of those elements confined to block 1 (the kernel converts or
@@ -122,7 +129,7 @@ def learn_codec(write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None
     reads: dict[tuple[str, int], torch.Tensor] = {}
     for name, x in coords.items():
         for k in range(digits[name]):
-            val = ((x // _DIGIT ** k) % _DIGIT + 1).to(torch.float32)
+            val = ((x // _DIGIT**k) % _DIGIT + 1).to(torch.float32)
             cache = torch.zeros((2, *block_shape), dtype=dtype)
             write(val.to(dtype).contiguous(), (-val).to(dtype).contiguous(), cache)
             if bool(cache[0].ne(0).any()):
@@ -139,19 +146,17 @@ def learn_codec(write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None
             r = reads[(name, k)]
             if bool(((r < 0) != is_v).any()) or bool(r.abs().ne(r.abs().round()).any()):
                 raise ValueError("the cache-write kernel does not store K and V values unchanged")
-            value += (r.abs().long() - 1) * _DIGIT ** k
+            value += (r.abs().long() - 1) * _DIGIT**k
         decoded[name] = value
     e = 2 * bs * H * D
     # position in the piece [2, bs, H, D] of each block element
     c = ((is_v.long() * bs + decoded["t"]) * H + decoded["h"]) * D + decoded["d"]
-    if (c.numel() != e or bool(c.lt(0).any()) or bool(c.ge(e).any())
-            or bool(torch.bincount(c, minlength=e).ne(1).any())):
+    if c.numel() != e or bool(c.lt(0).any()) or bool(c.ge(e).any()) or bool(torch.bincount(c, minlength=e).ne(1).any()):
         raise ValueError("the cache-write kernel's block is not a permutation of its tokens' K and V")
     return LearnedCodec(bs, H, D, tuple(block_shape), to_piece=torch.argsort(c), to_block=c)
 
 
-def gather_chunks(layers: Sequence[torch.Tensor], codec, block_ids: torch.Tensor,
-                  out: torch.Tensor) -> torch.Tensor:
+def gather_chunks(layers: Sequence[torch.Tensor], codec, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Chunks `out` [N, L, 2, C, H, D] from the blocks `block_ids` [N * C / bs] (chunk-major) of each layer."""
     n, _, _, c, h, d = out.shape
     bs = codec.block_size
@@ -163,8 +168,7 @@ def gather_chunks(layers: Sequence[torch.Tensor], codec, block_ids: torch.Tensor
     return out
 
 
-def scatter_layer(kv_layer: torch.Tensor, layer: torch.Tensor, codec, block_ids: torch.Tensor,
-                  first: int = 0) -> None:
+def scatter_layer(kv_layer: torch.Tensor, layer: torch.Tensor, codec, block_ids: torch.Tensor, first: int = 0) -> None:
     """Write one layer of chunk-layout KV, `kv_layer` [2, n*bs, H, D] (token-major, e.g. `fetch(...)[layer]`),
     into the blocks `block_ids` [n] of `layer`, skipping the first `first` of them (already computed there)."""
     bs = codec.block_size
@@ -179,13 +183,17 @@ def scatter_layer(kv_layer: torch.Tensor, layer: torch.Tensor, codec, block_ids:
 def _words(*ts: torch.Tensor) -> list[torch.Tensor]:
     """The tensors as int64 words where all of them allow it (an indexed copy then moves 8 bytes per element)."""
     e = ts[0].element_size()
-    ok = all(t.stride(-1) == 1 and (t.shape[-1] * e) % 8 == 0 and t.data_ptr() % 8 == 0
-             and all(s * e % 8 == 0 for s in t.stride()[:-1]) for t in ts)
+    ok = all(
+        t.stride(-1) == 1
+        and (t.shape[-1] * e) % 8 == 0
+        and t.data_ptr() % 8 == 0
+        and all(s * e % 8 == 0 for s in t.stride()[:-1])
+        for t in ts
+    )
     return [t.view(torch.int64) for t in ts] if ok else list(ts)
 
 
-def scatter_chunks(chunks: torch.Tensor, layer: torch.Tensor, codec, block_ids: torch.Tensor,
-                   first: int = 0) -> None:
+def scatter_chunks(chunks: torch.Tensor, layer: torch.Tensor, codec, block_ids: torch.Tensor, first: int = 0) -> None:
     """Write one layer of chunk-major KV, `chunks` [k, 2, C, H, D] (any strides, e.g. `load.staging[a:b, layer]`),
     into the blocks `block_ids` [n <= k * C / bs] (chunk-major) of `layer`, skipping the first `first` of them.
     SplitKVCodec's blocks are pieces: they are read through a strided view, one indexed write per run of whole
@@ -208,7 +216,7 @@ def scatter_chunks(chunks: torch.Tensor, layer: torch.Tensor, codec, block_ids: 
     else:
         parts = [(first // m, first, a * m), (b, b * m, n)]
         if a < b:
-            dst.index_put_((ids[a * m:b * m].view(b - a, m),), src[a:b])
+            dst.index_put_((ids[a * m : b * m].view(b - a, m),), src[a:b])
     for i, lo, hi in parts:  # the partial chunks
         if lo < hi:
-            dst.index_put_((ids[lo:hi],), src[i, lo - i * m:hi - i * m])
+            dst.index_put_((ids[lo:hi],), src[i, lo - i * m : hi - i * m])

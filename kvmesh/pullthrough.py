@@ -79,7 +79,7 @@ class BufferSink:
         pass
 
     def segments(self, i: int) -> list[np.ndarray]:
-        return [self.buf[i * self.nbytes:(i + 1) * self.nbytes]]
+        return [self.buf[i * self.nbytes : (i + 1) * self.nbytes]]
 
     def put(self, i: int, src) -> None:
         np.copyto(self.segments(i)[0], np.frombuffer(src, dtype=np.uint8))
@@ -154,15 +154,20 @@ class PullThrough:
                     if t is None:  # no unpinned slot to evict, or a store of it just began
                         break
                     tickets.append(t)
-                keys = keys[:len(tickets)]
+                keys = keys[: len(tickets)]
         n = 0
         try:
             if keys:
-                sink = (SlotSink(node, tickets, req.nbytes) if direct
-                        else BufferSink(node, keys, req.group, req.nbytes))
+                sink = SlotSink(node, tickets, req.nbytes) if direct else BufferSink(node, keys, req.group, req.nbytes)
                 holder = (Holder(req.holder, req.incarnation, TIER_CPU),)
-                opts = FetchOptions(req.nbytes, deadline, req.transport, False, req.group,
-                                    max(1, node.config.pull_batch_bytes // req.nbytes))
+                opts = FetchOptions(
+                    req.nbytes,
+                    deadline,
+                    req.transport,
+                    False,
+                    req.group,
+                    max(1, node.config.pull_batch_bytes // req.nbytes),
+                )
                 n, stats = self.fetcher.fetch([ChunkMatch(k, holder) for k in keys], sink, opts)
                 if stats.error:
                     self._count(f"pull_through_error_{stats.error}")
@@ -172,6 +177,7 @@ class PullThrough:
                 kept = min(keep, n)
                 node.stats_counts["replicated_chunks_added"] += kept
                 node.stats_counts["replicated_bytes_added"] += kept * req.nbytes
-                node.stats_counts["replication_refused_cold" if readers < replicas.min_readers
-                                  else "replication_refused_bytes"] += max(0, n - keep)
+                node.stats_counts[
+                    "replication_refused_cold" if readers < replicas.min_readers else "replication_refused_bytes"
+                ] += max(0, n - keep)
         return n

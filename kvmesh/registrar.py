@@ -37,10 +37,19 @@ RETRY_S = 0.2  # after a failed send, the next try comes this much later (or at 
 
 
 class Registrar:
-    def __init__(self, directory: Directory, info: NodeInfo, lease_ms: int, heartbeat_s: float,
-                 node_lock: threading.Lock, held: Callable[[], list], holds_group: Callable[[bytes], bool],
-                 count: Callable[..., None], event: Callable[..., None], on_rejoin: Callable[[list[int]], None]) -> \
-            None:
+    def __init__(
+        self,
+        directory: Directory,
+        info: NodeInfo,
+        lease_ms: int,
+        heartbeat_s: float,
+        node_lock: threading.Lock,
+        held: Callable[[], list],
+        holds_group: Callable[[bytes], bool],
+        count: Callable[..., None],
+        event: Callable[..., None],
+        on_rejoin: Callable[[list[int]], None],
+    ) -> None:
         """`held()` (called under `node_lock`): every chunk held, as (group, key, best tier); `holds_group(g)`
         (under the lock): whether the node still holds a chunk of group g; `on_rejoin(incs)`: incarnations this
         node had before a re-join, whose entries the janitor purges."""
@@ -133,11 +142,11 @@ class Registrar:
     def _due(self) -> bool:
         now = time.monotonic()
         return now >= self._next_heartbeat or (
-            (self._queued or self._reregister) and now >= self._retry_at and not self.fenced)
+            (self._queued or self._reregister) and now >= self._retry_at and not self.fenced
+        )
 
     def _wake_at(self) -> float:
-        return min(self._next_heartbeat, self._retry_at) if (self._queued or self._reregister) else \
-            self._next_heartbeat
+        return min(self._next_heartbeat, self._retry_at) if (self._queued or self._reregister) else self._next_heartbeat
 
     def _heartbeat(self) -> None:
         if self.fenced:
@@ -155,8 +164,11 @@ class Registrar:
                 self._queued.clear()
                 self._sent = self._posted
                 self._cv.notify_all()
-            log.warning("KVNode %s incarnation %d was superseded; no longer registering", self.info.node_id[:8],
-                        self.lease.incarnation)
+            log.warning(
+                "KVNode %s incarnation %d was superseded; no longer registering",
+                self.info.node_id[:8],
+                self.lease.incarnation,
+            )
 
     def _rejoin(self) -> None:
         """The directory lost this node (restarted empty, or failed over): re-join under a new incarnation so
@@ -168,8 +180,9 @@ class Registrar:
         # not know it as "previous") is dead now; give its memory back too.
         self._on_rejoin([i for i in dict.fromkeys((self.lease.previous, old)) if i and i != self.lease.incarnation])
         self._count("resyncs")
-        log.warning("KVNode %s re-joined the directory as incarnation %d", self.info.node_id[:8],
-                    self.lease.incarnation)
+        log.warning(
+            "KVNode %s re-joined the directory as incarnation %d", self.info.node_id[:8], self.lease.incarnation
+        )
         self._event("resync", "directory_lost", f"incarnation {self.lease.incarnation}")
         self._reregister = True
 

@@ -59,8 +59,9 @@ return redis.call('ZCARD', KEYS[1])
 
 
 class Replicas:
-    def __init__(self, r: redis.Redis, prefix: str, node_id: str, min_readers: int, window_s: float,
-                 max_bytes: int) -> None:
+    def __init__(
+        self, r: redis.Redis, prefix: str, node_id: str, min_readers: int, window_s: float, max_bytes: int
+    ) -> None:
         self._redis, self._prefix, self.node_id = r, prefix, node_id
         self.min_readers, self.window_ms, self.max_bytes = min_readers, max(1, int(window_s * 1000)), max_bytes
         self._count = r.register_script(_COUNT_READER)
@@ -110,7 +111,7 @@ class Replicas:
         """Caller holds the node's lock. `keys[:keep]` were admitted, `keys[:landed]` arrived; `held(key)`: the
         node holds it now. Transient keys that never landed are forgotten."""
         self._reserved -= keep * nbytes
-        for key in keys[:min(keep, landed)]:
+        for key in keys[: min(keep, landed)]:
             if held(key):
                 self._kept[key] = nbytes
         for key in keys[keep:]:

@@ -88,8 +88,9 @@ def parse_candidates(candidates) -> list[Candidate]:
     """Ray node ids (hex str), or objects with a `node_id` (Serve's RunningReplica, a replica's info); a
     `replica_id` on one (a str, or with a `unique_id`, as Serve's ReplicaID) names its load report."""
     if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Iterable):
-        raise TypeError(f"candidates must be a list of Ray node ids or replicas with a node_id, "
-                        f"got {type(candidates).__name__}")
+        raise TypeError(
+            f"candidates must be a list of Ray node ids or replicas with a node_id, got {type(candidates).__name__}"
+        )
     items = list(candidates)
     if not items:
         raise ValueError("candidates must not be empty")
@@ -102,8 +103,9 @@ def parse_candidates(candidates) -> list[Candidate]:
             rid = getattr(rid, "unique_id", rid)
             rid = rid if isinstance(rid, str) and rid else None
         else:
-            raise TypeError(f"candidates[{i}] must be a Ray node id (hex str) or have a node_id attribute, "
-                            f"got {type(c).__name__}")
+            raise TypeError(
+                f"candidates[{i}] must be a Ray node id (hex str) or have a node_id attribute, got {type(c).__name__}"
+            )
         if not isinstance(node, str) or not node or any(ch not in string.hexdigits for ch in node):
             raise ValueError(f"candidates[{i}] has node id {node!r}: not a Ray node id (hex str)")
         out.append(Candidate(c, node, rid))
@@ -124,13 +126,22 @@ def _link(holder: Holder, node_id: str) -> str:
 
 
 def _load_of(c: Candidate, loads: list[LoadRecord], now_ms: int, stale_ms: int) -> ReportedLoad | None:
-    fresh = [r for r in loads if now_ms - r.at_ms <= stale_ms and
-             (r.replica_id == c.replica_id if c.replica_id is not None else r.node_id == c.node_id)]
+    fresh = [
+        r
+        for r in loads
+        if now_ms - r.at_ms <= stale_ms
+        and (r.replica_id == c.replica_id if c.replica_id is not None else r.node_id == c.node_id)
+    ]
     if not fresh or now_ms <= 0:  # (no node table read yet: no clock to judge ages by)
         return None
     measured = max(fresh, key=lambda r: (r.prefill is not None, r.at_ms)).prefill
-    return ReportedLoad(sum(r.pending_prefill_tokens for r in fresh), sum(r.queue_depth for r in fresh),
-                        max(0.0, (now_ms - min(r.at_ms for r in fresh)) / 1000), len(fresh), measured)
+    return ReportedLoad(
+        sum(r.pending_prefill_tokens for r in fresh),
+        sum(r.queue_depth for r in fresh),
+        max(0.0, (now_ms - min(r.at_ms for r in fresh)) / 1000),
+        len(fresh),
+        measured,
+    )
 
 
 def fitted_prefill(coef) -> PrefillModel | None:
@@ -146,9 +157,18 @@ def fitted_prefill(coef) -> PrefillModel | None:
     return m
 
 
-def estimate(cands: list[Candidate], holders: list[tuple[Holder, ...]], prompt_tokens: int, chunk_tokens: int,
-             chunk_bytes: int, loads: list[LoadRecord], now_ms: int, stale_ms: int, cost: CostModel,
-             queued_s: Mapping[str, float] | None = None) -> list[RouteEstimate]:
+def estimate(
+    cands: list[Candidate],
+    holders: list[tuple[Holder, ...]],
+    prompt_tokens: int,
+    chunk_tokens: int,
+    chunk_bytes: int,
+    loads: list[LoadRecord],
+    now_ms: int,
+    stale_ms: int,
+    cost: CostModel,
+    queued_s: Mapping[str, float] | None = None,
+) -> list[RouteEstimate]:
     """Pure: the estimates, best first (unknown TTFTs last, ties in the given order). `holders`: the live holders
     of each chunk of the prompt's longest live prefix; `cost` must have a prefill estimate (a candidate whose
     replica reported a measured one is priced with that); `queued_s`: seconds of work the caller knows it has
@@ -177,26 +197,45 @@ def estimate(cands: list[Candidate], holders: list[tuple[Holder, ...]], prompt_t
             used = {links[i].split("-")[0] for i in range(plan.front, plan.end)}
             why = "+".join(w for w in ("local", "peer") if w in used)
         else:
-            prefill_s = plan.est_recompute_s if plan.est_recompute_s is not None else \
-                cost.prefill.seconds(prompt_tokens, 0)
+            prefill_s = (
+                plan.est_recompute_s if plan.est_recompute_s is not None else cost.prefill.seconds(prompt_tokens, 0)
+            )
             why = "recompute"
         assert prefill_s is not None  # (the cost model has a prefill estimate)
         wait = (cost.prefill.seconds(load.pending_prefill_tokens, 0) or 0.0) if load else 0.0
         if queued_s:
             wait = max(wait, float(queued_s.get(c.replica_id or c.node_id, 0.0)))
-        out.append(RouteEstimate(c.given, c.node_id, local * chunk_tokens, (usable - local) * chunk_tokens,
-                                 prompt_tokens - plan.load_chunks * chunk_tokens, load, wait + prefill_s, True, why,
-                                 wait, prefill_s))
+        out.append(
+            RouteEstimate(
+                c.given,
+                c.node_id,
+                local * chunk_tokens,
+                (usable - local) * chunk_tokens,
+                prompt_tokens - plan.load_chunks * chunk_tokens,
+                load,
+                wait + prefill_s,
+                True,
+                why,
+                wait,
+                prefill_s,
+            )
+        )
     return sorted(out, key=lambda e: e.expected_ttft_s if e.expected_ttft_s is not None else float("inf"))
 
 
 def unknown(cands: list[Candidate], prompt_tokens: int) -> list[RouteEstimate]:
-    return [RouteEstimate(c.given, c.node_id, 0, 0, prompt_tokens, None, None, False, "directory_error")
-            for c in cands]
+    return [RouteEstimate(c.given, c.node_id, 0, 0, prompt_tokens, None, None, False, "directory_error") for c in cands]
 
 
-def route(client, tokens, candidates, cache_salt=None, *, prefill_tokens_per_s: float | None = None,
-          queued_s: Mapping[str, float] | None = None) -> list[RouteEstimate]:
+def route(
+    client,
+    tokens,
+    candidates,
+    cache_salt=None,
+    *,
+    prefill_tokens_per_s: float | None = None,
+    queued_s: Mapping[str, float] | None = None,
+) -> list[RouteEstimate]:
     """`KVMeshClient.route`: see the module docstring."""
     toks = as_tokens(tokens)
     if len(toks) == 0:
@@ -212,8 +251,9 @@ def route(client, tokens, candidates, cache_salt=None, *, prefill_tokens_per_s: 
         return unknown(cands, len(toks))
     table = client.view.table()
     try:
-        holders, _, loads = client.directory.lookup_with_loads(hashes[0] if hashes else b"", hashes, table,
-                                                               prefer=client.node_id, newer=client.view.current)
+        holders, _, loads = client.directory.lookup_with_loads(
+            hashes[0] if hashes else b"", hashes, table, prefer=client.node_id, newer=client.view.current
+        )
     except redis.RedisError:
         client.counts["route_directory_errors"] += 1
         client.view.failed()
@@ -223,8 +263,18 @@ def route(client, tokens, candidates, cache_salt=None, *, prefill_tokens_per_s: 
         cost = CostModel(cost.links, cost.margin)
         cost.prefill = linear_prefill(float(rate))
     lease_ms = int(client.config.lease_s * 1000)
-    return estimate(cands, holders, len(toks), client.spec.chunk_tokens, client.spec.chunk_bytes, loads,
-                    table.now_ms, LOAD_STALE_LEASES * lease_ms, cost, queued_s)
+    return estimate(
+        cands,
+        holders,
+        len(toks),
+        client.spec.chunk_tokens,
+        client.spec.chunk_bytes,
+        loads,
+        table.now_ms,
+        LOAD_STALE_LEASES * lease_ms,
+        cost,
+        queued_s,
+    )
 
 
 def report_load(client, pending_prefill_tokens: int, queue_depth: int, replica_id: str) -> bool:
@@ -233,17 +283,23 @@ def report_load(client, pending_prefill_tokens: int, queue_depth: int, replica_i
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
     if not isinstance(replica_id, str) or not replica_id or len(replica_id) > MAX_REPLICA_ID:
-        raise ValueError(f"replica_id must be a non-empty str of at most {MAX_REPLICA_ID} characters, "
-                         f"got {replica_id!r}")
+        raise ValueError(
+            f"replica_id must be a non-empty str of at most {MAX_REPLICA_ID} characters, got {replica_id!r}"
+        )
     if not client.node_id:
         raise ValueError("report_load needs a client on a Ray node (kvmesh.connect)")
     if not client.view.allow():
         return False
     coef = client.cost.prefill._coef  # what this replica measured, for the routers' estimates of its queue
     try:
-        client.directory.report_load(replica_id, client.node_id, pending_prefill_tokens, queue_depth,
-                                     int(LOAD_KEEP_LEASES * client.config.lease_s * 1000),
-                                     tuple(float(x) for x in coef) if coef is not None else None)
+        client.directory.report_load(
+            replica_id,
+            client.node_id,
+            pending_prefill_tokens,
+            queue_depth,
+            int(LOAD_KEEP_LEASES * client.config.lease_s * 1000),
+            tuple(float(x) for x in coef) if coef is not None else None,
+        )
     except redis.RedisError:
         client.counts["report_load_errors"] += 1
         client.view.failed()

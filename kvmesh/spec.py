@@ -87,8 +87,9 @@ class KVGroup:
             _check_int("KVGroup.window", self.window, 1)
         elif self.window != 0:
             raise ValueError(f"KVGroup.window is only for a sliding_window group, got {self.window!r}")
-        if not isinstance(self.layers, tuple) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                         for x in self.layers):
+        if not isinstance(self.layers, tuple) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.layers
+        ):
             raise ValueError(f"KVGroup.layers must be a tuple of layer indices, got {self.layers!r}")
         if len(set(self.layers)) != len(self.layers):
             raise ValueError(f"KVGroup.layers holds a layer twice: {self.layers!r}")
@@ -158,33 +159,47 @@ class KVSpec:
             if not isinstance(self.group, KVGroup):
                 raise ValueError(f"KVSpec.group must be a KVGroup or None, got {type(self.group).__name__}")
             if self.group.attention == "state":
-                raise ValueError("KVSpec.group: a state group (recurrent state, e.g. Mamba) has no per-token K/V "
-                                 "for kvmesh to store")
+                raise ValueError(
+                    "KVSpec.group: a state group (recurrent state, e.g. Mamba) has no per-token K/V for kvmesh to store"
+                )
             if self.group.layers and len(self.group.layers) != self.num_layers:
-                raise ValueError(f"KVSpec.group lists {len(self.group.layers)} layers, but num_layers is "
-                                 f"{self.num_layers}")
+                raise ValueError(
+                    f"KVSpec.group lists {len(self.group.layers)} layers, but num_layers is {self.num_layers}"
+                )
         if self.kv_format is not None and not isinstance(self.kv_format, KVFormat):
             raise ValueError(f"KVSpec.kv_format must be a KVFormat or None, got {type(self.kv_format).__name__}")
         if self.layout_version != CHUNK_LAYOUT_VERSION:
-            raise ValueError(f"KVSpec.layout_version {self.layout_version} is not supported "
-                             f"(this kvmesh writes layout {CHUNK_LAYOUT_VERSION})")
-        object.__setattr__(self, "namespace", hashlib.blake2b(self.canonical_bytes(), digest_size=16,
-                                                              person=b"kvmesh.spec").digest())
+            raise ValueError(
+                f"KVSpec.layout_version {self.layout_version} is not supported "
+                f"(this kvmesh writes layout {CHUNK_LAYOUT_VERSION})"
+            )
+        object.__setattr__(
+            self, "namespace", hashlib.blake2b(self.canonical_bytes(), digest_size=16, person=b"kvmesh.spec").digest()
+        )
 
     def canonical_bytes(self) -> bytes:
-        fields = [b"kvmesh-spec", SPEC_ENCODING_VERSION, self.model_id, self.num_layers, self.num_kv_heads,
-                  self.head_dim, self.dtype, self.chunk_tokens, self.tp_rank, self.tp_size, self.lora_id or "",
-                  self.layout_version]
+        fields = [
+            b"kvmesh-spec",
+            SPEC_ENCODING_VERSION,
+            self.model_id,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.chunk_tokens,
+            self.tp_rank,
+            self.tp_size,
+            self.lora_id or "",
+            self.layout_version,
+        ]
         if self.group is not None or self.kv_format is not None:  # else: the encoding of a plain spec, unchanged
-            fields += [self.group.encode() if self.group else None,
-                       self.kv_format.encode() if self.kv_format else None]
+            fields += [self.group.encode() if self.group else None, self.kv_format.encode() if self.kv_format else None]
         return msgpack.packb(fields, use_bin_type=True)
 
     @classmethod
     def from_canonical_bytes(cls, data: bytes) -> KVSpec:
         o = msgpack.unpackb(data, raw=False)
-        if (not isinstance(o, list) or len(o) not in (12, 14) or o[0] != b"kvmesh-spec"
-                or o[1] != SPEC_ENCODING_VERSION):
+        if not isinstance(o, list) or len(o) not in (12, 14) or o[0] != b"kvmesh-spec" or o[1] != SPEC_ENCODING_VERSION:
             raise ValueError("not a kvmesh spec encoding")
         group = kv_format = None
         if len(o) == 14:

@@ -94,8 +94,9 @@ class StoreQueue:
                 self._stager.start()
         self._staged.put(job)
 
-    def _stage_from_device(self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor],
-                           after: torch.cuda.Event | None = None) -> tuple:
+    def _stage_from_device(
+        self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor], after: torch.cuda.Event | None = None
+    ) -> tuple:
         """Queue the device-to-host copy into page-locked staging (after `after`, else after the current stream's
         work) and hand the job to the background thread; with `after` (already on that thread) return it."""
         s = self.spec
@@ -136,8 +137,7 @@ class StoreQueue:
         that did not go this way (for the host path)."""
         cb = self.spec.chunk_bytes
         try:
-            r: GpuReserved = self.node.reserve_gpu([StoreItem(group, k, cb, 0) for k in keys]).result(
-                RESERVE_TIMEOUT_S)
+            r: GpuReserved = self.node.reserve_gpu([StoreItem(group, k, cb, 0) for k in keys]).result(RESERVE_TIMEOUT_S)
         except (NodeCallError, TimeoutError, WireError) as e:
             self.counts["store_d2d_unavailable"] += 1
             log.debug("kvmesh: no GPU-tier reservation (%s): the host path", e)
@@ -225,7 +225,7 @@ class StoreQueue:
     def _send(self, group: bytes, keys: list[bytes], staging: np.ndarray) -> None:
         """Checksum the staged chunks and hand them to the local node (not waited for)."""
         cb = self.spec.chunk_bytes
-        items = [StoreItem(group, key, cb, checksum(staging[j * cb:(j + 1) * cb])) for j, key in enumerate(keys)]
+        items = [StoreItem(group, key, cb, checksum(staging[j * cb : (j + 1) * cb])) for j, key in enumerate(keys)]
         pending = self.node.store(items, staging)
         with self._lock:
             self._pending.append(pending)

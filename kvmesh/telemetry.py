@@ -26,25 +26,35 @@ EVENTS_KEPT = 200
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvmesh_lookups_total": ("counter", ("node",), "prefix lookups"),
     "kvmesh_hits_total": ("counter", ("node",), "lookups that found a usable cached prefix"),
-    "kvmesh_misses_total": ("counter", ("node", "reason"),
-                            "lookups or fetches that fell back to recompute, by reason: not_cached, holder_dead, "
-                            "spec_mismatch, directory_error, cost_model, deadline, checksum, peer_error"),
-    "kvmesh_reused_tokens_total": ("counter", ("node", "source"),
-                                   "prompt tokens whose KV was reused (local, peer): fetched, or reported by "
-                                   "vLLM's connector"),
+    "kvmesh_misses_total": (
+        "counter",
+        ("node", "reason"),
+        "lookups or fetches that fell back to recompute, by reason: not_cached, holder_dead, "
+        "spec_mismatch, directory_error, cost_model, deadline, checksum, peer_error",
+    ),
+    "kvmesh_reused_tokens_total": (
+        "counter",
+        ("node", "source"),
+        "prompt tokens whose KV was reused (local, peer): fetched, or reported by vLLM's connector",
+    ),
     "kvmesh_recomputed_tokens_total": ("counter", ("node",), "prompt tokens prefilled"),
-    "kvmesh_fetched_bytes_total": ("counter", ("node", "source", "tier", "dst"),
-                                   "bytes fetched by workers: source local|peer, the holder's tier, the "
-                                   "destination device type (cpu, cuda)"),
+    "kvmesh_fetched_bytes_total": (
+        "counter",
+        ("node", "source", "tier", "dst"),
+        "bytes fetched by workers: source local|peer, the holder's tier, the destination device type (cpu, cuda)",
+    ),
     "kvmesh_transfer_seconds": ("histogram", ("node", "source"), "time of one fetch run (a batch of chunks)"),
     "kvmesh_directory_rtt_seconds": ("histogram", ("node",), "directory lookup round trip"),
     "kvmesh_pull_failures_total": ("counter", ("node", "cause"), "failed pulls by cause"),
     "kvmesh_stored_chunks_total": ("counter", ("node",), "chunks stored into the node's tiers"),
     "kvmesh_served_bytes_total": ("counter", ("node", "peer"), "bytes a node served, by requesting node"),
     "kvmesh_evictions_total": ("counter", ("node", "tier"), "chunks evicted from a tier"),
-    "kvmesh_tier_moves_total": ("counter", ("node", "src", "dst"),
-                                "chunks copied between a node's tiers (demotions gpu->cpu, cpu->disk; promotions "
-                                "cpu->gpu; disk hits disk->cpu)"),
+    "kvmesh_tier_moves_total": (
+        "counter",
+        ("node", "src", "dst"),
+        "chunks copied between a node's tiers (demotions gpu->cpu, cpu->disk; promotions "
+        "cpu->gpu; disk hits disk->cpu)",
+    ),
     "kvmesh_tier_moved_bytes_total": ("counter", ("node", "src", "dst"), "bytes copied between a node's tiers"),
     "kvmesh_demotions_total": ("counter", ("node",), "chunks moved down a tier instead of dropped"),
     "kvmesh_promotions_total": ("counter", ("node",), "chunks copied up a tier on a hit"),
@@ -57,16 +67,25 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvmesh_replicated_bytes": ("gauge", ("node",), "bytes of hot-prefix replicas a node keeps (pulled, registered)"),
     "kvmesh_replicated_chunks": ("gauge", ("node",), "hot-prefix replica chunks a node keeps"),
     "kvmesh_replications_total": ("counter", ("node",), "chunks a node's pull-throughs kept as replicas"),
-    "kvmesh_replication_refused_total": ("counter", ("node", "reason"),
-                                         "pulled chunks not kept as replicas, by reason: cold (fewer distinct "
-                                         "readers than replicate_min_readers), bytes (replicate_max_bytes reached)"),
-    "kvmesh_saved_last_copies_total": ("counter", ("node", "how"),
-                                       "last copies of chunks other nodes read that eviction kept in the cluster: "
-                                       "how disk (demoted to the node's disk) or handoff (pushed to a peer)"),
-    "kvmesh_handoffs_total": ("counter", ("node", "outcome"),
-                              "evicted last copies queued for a handoff, by outcome: ok, not_last (another node "
-                              "holds it), no_target, refused (the target did not store it), failed, busy (too many "
-                              "bytes waiting: dropped at once)"),
+    "kvmesh_replication_refused_total": (
+        "counter",
+        ("node", "reason"),
+        "pulled chunks not kept as replicas, by reason: cold (fewer distinct "
+        "readers than replicate_min_readers), bytes (replicate_max_bytes reached)",
+    ),
+    "kvmesh_saved_last_copies_total": (
+        "counter",
+        ("node", "how"),
+        "last copies of chunks other nodes read that eviction kept in the cluster: "
+        "how disk (demoted to the node's disk) or handoff (pushed to a peer)",
+    ),
+    "kvmesh_handoffs_total": (
+        "counter",
+        ("node", "outcome"),
+        "evicted last copies queued for a handoff, by outcome: ok, not_last (another node "
+        "holds it), no_target, refused (the target did not store it), failed, busy (too many "
+        "bytes waiting: dropped at once)",
+    ),
     "kvmesh_handoff_bytes_total": ("counter", ("node",), "bytes handed to peers by cluster eviction"),
 }
 
@@ -153,9 +172,11 @@ class Records:
         p.hgetall(self.k_totals)
         p.lrange(self.k_events, 0, 99)
         stats, totals, events = p.execute()
-        return ({k.decode(): msgpack.unpackb(v, raw=False) for k, v in stats.items()},
-                {k.decode(): int(v) for k, v in totals.items()},
-                [msgpack.unpackb(e, raw=False) for e in events])
+        return (
+            {k.decode(): msgpack.unpackb(v, raw=False) for k, v in stats.items()},
+            {k.decode(): int(v) for k, v in totals.items()},
+            [msgpack.unpackb(e, raw=False) for e in events],
+        )
 
 
 # client counter name -> (metric, tags) it feeds
@@ -213,31 +234,39 @@ class ClientExporter:
 def export_node_stats(ray_exp: RayExporter, node: str, stats: dict, last: dict) -> None:
     """A KVNode's stats snapshot -> Ray gauges and counter deltas (`last` holds the previous snapshot)."""
     for tier, n in stats.get("evictions_by_tier", {}).items():
-        ray_exp.inc("kvmesh_evictions_total", n - last.get("evictions_by_tier", {}).get(tier, 0), node=node,
-                    tier=tier)
+        ray_exp.inc("kvmesh_evictions_total", n - last.get("evictions_by_tier", {}).get(tier, 0), node=node, tier=tier)
     before = {(a, b): (n, nb) for a, b, n, nb in last.get("tier_flows", [])}
     for src, dst, n, nbytes in stats.get("tier_flows", []):
         n0, b0 = before.get((src, dst), (0, 0))
         ray_exp.inc("kvmesh_tier_moves_total", n - n0, node=node, src=src, dst=dst)
         ray_exp.inc("kvmesh_tier_moved_bytes_total", nbytes - b0, node=node, src=src, dst=dst)
-    for name, key in (("kvmesh_demotions_total", "demotions"),
-                      ("kvmesh_promotions_total", "promotions"), ("kvmesh_drops_total", "drops"),
-                      ("kvmesh_corrupt_chunks_total", "corrupt_dropped"),
-                      ("kvmesh_stored_chunks_total", "stored_chunks")):
+    for name, key in (
+        ("kvmesh_demotions_total", "demotions"),
+        ("kvmesh_promotions_total", "promotions"),
+        ("kvmesh_drops_total", "drops"),
+        ("kvmesh_corrupt_chunks_total", "corrupt_dropped"),
+        ("kvmesh_stored_chunks_total", "stored_chunks"),
+    ):
         ray_exp.inc(name, stats.get(key, 0) - last.get(key, 0), node=node)
-    ray_exp.inc("kvmesh_replications_total", stats.get("replicated_chunks_added", 0)
-                - last.get("replicated_chunks_added", 0), node=node)
+    ray_exp.inc(
+        "kvmesh_replications_total",
+        stats.get("replicated_chunks_added", 0) - last.get("replicated_chunks_added", 0),
+        node=node,
+    )
     for reason in ("cold", "bytes"):
         key = f"replication_refused_{reason}"
-        ray_exp.inc("kvmesh_replication_refused_total", stats.get(key, 0) - last.get(key, 0), node=node,
-                    reason=reason)
+        ray_exp.inc("kvmesh_replication_refused_total", stats.get(key, 0) - last.get(key, 0), node=node, reason=reason)
     for how, key in (("disk", "last_copy_saved_disk"), ("handoff", "handoff_ok")):
         ray_exp.inc("kvmesh_saved_last_copies_total", stats.get(key, 0) - last.get(key, 0), node=node, how=how)
     for outcome in ("ok", "not_last", "no_target", "refused", "failed"):
         key = f"handoff_{outcome}"
         ray_exp.inc("kvmesh_handoffs_total", stats.get(key, 0) - last.get(key, 0), node=node, outcome=outcome)
-    ray_exp.inc("kvmesh_handoffs_total", stats.get("handoff_refused_busy", 0) - last.get("handoff_refused_busy", 0),
-                node=node, outcome="busy")
+    ray_exp.inc(
+        "kvmesh_handoffs_total",
+        stats.get("handoff_refused_busy", 0) - last.get("handoff_refused_busy", 0),
+        node=node,
+        outcome="busy",
+    )
     ray_exp.inc("kvmesh_handoff_bytes_total", stats.get("handoff_bytes", 0) - last.get("handoff_bytes", 0), node=node)
     ray_exp.set("kvmesh_replicated_bytes", stats.get("replicated_bytes", 0), node=node)
     ray_exp.set("kvmesh_replicated_chunks", stats.get("replicated_chunks", 0), node=node)
@@ -246,8 +275,9 @@ def export_node_stats(ray_exp: RayExporter, node: str, stats: dict, last: dict) 
         ray_exp.set("kvmesh_tier_used_bytes", tier["used_bytes"], node=node, tier=tier["tier"])
         ray_exp.set("kvmesh_tier_chunks", tier["chunks"], node=node, tier=tier["tier"])
     for peer, nbytes in stats.get("served_bytes", {}).items():
-        ray_exp.inc("kvmesh_served_bytes_total", nbytes - last.get("served_bytes", {}).get(peer, 0), node=node,
-                    peer=peer)
+        ray_exp.inc(
+            "kvmesh_served_bytes_total", nbytes - last.get("served_bytes", {}).get(peer, 0), node=node, peer=peer
+        )
     for key, v in stats.items():
         if key.startswith("disk_write_E") or key.startswith("disk_read_E"):
             ray_exp.inc("kvmesh_disk_errors_total", v - last.get(key, 0), node=node, errno=key.split("_")[-1])

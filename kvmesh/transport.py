@@ -162,9 +162,17 @@ class DataClient:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock, False
 
-    def pull(self, address: str, keys: list[bytes], expected_nbytes: int, dest: Callable[[int], list],
-             deadline: float, requester: str = "", checksums: list | None = None,
-             cancel: threading.Event | None = None) -> tuple[int, Exception | None]:
+    def pull(
+        self,
+        address: str,
+        keys: list[bytes],
+        expected_nbytes: int,
+        dest: Callable[[int], list],
+        deadline: float,
+        requester: str = "",
+        checksums: list | None = None,
+        cancel: threading.Event | None = None,
+    ) -> tuple[int, Exception | None]:
         """Pull `keys` from the peer at `address`; chunk j's bytes go into the writable buffers `dest(j)`, in
         order (they add up to `expected_nbytes`). Returns how many leading chunks arrived intact, and the error
         that ended the pull early (None when the peer sent every chunk it holds). `checksums`, if given, gets

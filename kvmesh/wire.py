@@ -48,8 +48,9 @@ def _unpack(data, what: str) -> list:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"{what}: expected bytes, got {type(data).__name__}")
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=1 << 24, max_str_len=1 << 16,
-                              max_array_len=MAX_KEYS * 4)
+        obj = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, max_bin_len=1 << 24, max_str_len=1 << 16, max_array_len=MAX_KEYS * 4
+        )
     except Exception as e:
         raise WireError(f"{what}: not msgpack ({e})") from None
     if not isinstance(obj, list) or not obj:
@@ -101,15 +102,23 @@ class NodeInfo:
     incarnation: int = 0  # not on the wire: the directory keeps it beside the record
 
     def pack(self) -> bytes:
-        return msgpack.packb([VERSION, self.node_id, self.actor_name, self.slab_path, self.slab_bytes,
-                              self.slot_bytes, self.data_addr], use_bin_type=True)
+        return msgpack.packb(
+            [VERSION, self.node_id, self.actor_name, self.slab_path, self.slab_bytes, self.slot_bytes, self.data_addr],
+            use_bin_type=True,
+        )
 
     @classmethod
     def unpack(cls, data, incarnation: int = 0) -> NodeInfo:
         o = _unpack(data, "NodeInfo")
-        return cls(_field(o, 1, str, "NodeInfo"), _field(o, 2, str, "NodeInfo"), _field(o, 3, str, "NodeInfo"),
-                   _field(o, 4, int, "NodeInfo"), _field(o, 5, int, "NodeInfo"), _field(o, 6, str, "NodeInfo"),
-                   incarnation)
+        return cls(
+            _field(o, 1, str, "NodeInfo"),
+            _field(o, 2, str, "NodeInfo"),
+            _field(o, 3, str, "NodeInfo"),
+            _field(o, 4, int, "NodeInfo"),
+            _field(o, 5, int, "NodeInfo"),
+            _field(o, 6, str, "NodeInfo"),
+            incarnation,
+        )
 
     def with_incarnation(self, incarnation: int) -> NodeInfo:
         return replace(self, incarnation=incarnation)
@@ -148,11 +157,17 @@ class PinnedChunk:
 U64 = (1 << 64) - 1
 
 
-def pack_pin_reply(pin_id: int, chunks: list[PinnedChunk], slab_path: str,
-                   gpu: Sequence[PinnedChunk] = ()) -> bytes:
-    return msgpack.packb([VERSION, pin_id, [[c.slot, c.nbytes, c.checksum] for c in chunks], slab_path,
-                          [[c.slot, c.nbytes, c.checksum & U64] for c in gpu],
-                          [None if c.devsum is None else c.devsum & U64 for c in chunks]])
+def pack_pin_reply(pin_id: int, chunks: list[PinnedChunk], slab_path: str, gpu: Sequence[PinnedChunk] = ()) -> bytes:
+    return msgpack.packb(
+        [
+            VERSION,
+            pin_id,
+            [[c.slot, c.nbytes, c.checksum] for c in chunks],
+            slab_path,
+            [[c.slot, c.nbytes, c.checksum & U64] for c in gpu],
+            [None if c.devsum is None else c.devsum & U64 for c in chunks],
+        ]
+    )
 
 
 def _pinned_rows(v, what: str) -> list[list]:
@@ -172,12 +187,19 @@ def unpack_pin_reply(data) -> tuple[int, list[PinnedChunk], str, list[PinnedChun
     sums: list[int | None] = [None] * len(rows)
     if len(o) > 5 and o[5] is not None:  # (an older node sends none: its slab chunks are checked with xxh3)
         v = o[5]
-        if not isinstance(v, list) or len(v) != len(rows) or not all(
-                x is None or (isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= U64) for x in v):
+        if (
+            not isinstance(v, list)
+            or len(v) != len(rows)
+            or not all(x is None or (isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= U64) for x in v)
+        ):
             raise WireError("PinReply: device sums must be one u64 or nil per slab chunk")
         sums = [None if x is None else _int64(x) for x in v]
-    return (_field(o, 1, int, "PinReply"), [PinnedChunk(r[0], r[1], r[2], d) for r, d in zip(rows, sums)],
-            _field(o, 3, str, "PinReply"), [PinnedChunk(r[0], r[1], c) for r, c in zip(gpu, signed)])
+    return (
+        _field(o, 1, int, "PinReply"),
+        [PinnedChunk(r[0], r[1], r[2], d) for r, d in zip(rows, sums)],
+        _field(o, 3, str, "PinReply"),
+        [PinnedChunk(r[0], r[1], c) for r, c in zip(gpu, signed)],
+    )
 
 
 def _int64(x: int) -> int:
@@ -221,8 +243,14 @@ def unpack_store(data) -> list[StoreItem]:
         g, k, n, c = r[:4]
         if not (isinstance(g, bytes) and len(g) == HASH_BYTES and isinstance(k, bytes) and len(k) == HASH_BYTES):
             raise WireError("StoreRequest: group and key must be 16 bytes")
-        if not (isinstance(n, int) and not isinstance(n, bool) and n > 0 and isinstance(c, int)
-                and not isinstance(c, bool) and c >= 0):
+        if not (
+            isinstance(n, int)
+            and not isinstance(n, bool)
+            and n > 0
+            and isinstance(c, int)
+            and not isinstance(c, bool)
+            and c >= 0
+        ):
             raise WireError("StoreRequest: nbytes must be a positive int and checksum a non-negative int")
         out.append(StoreItem(g, k, n, c))
     return out
@@ -248,8 +276,10 @@ class PullThrough:
 
 
 def pack_pull_through(p: PullThrough) -> bytes:
-    return msgpack.packb([VERSION, list(p.keys), p.group, p.nbytes, p.holder, p.transport, p.deadline_ms,
-                          p.incarnation], use_bin_type=True)
+    return msgpack.packb(
+        [VERSION, list(p.keys), p.group, p.nbytes, p.holder, p.transport, p.deadline_ms, p.incarnation],
+        use_bin_type=True,
+    )
 
 
 def unpack_pull_through(data) -> PullThrough:
@@ -262,10 +292,11 @@ def unpack_pull_through(data) -> PullThrough:
     nbytes = _field(o, 3, int, what)
     holder, transport = _field(o, 4, str, what), _field(o, 5, str, what)
     deadline_ms = _field(o, 6, int, what)
-    if nbytes == 0 or not 0 < len(holder) <= 128 or transport not in PEER_TRANSPORTS \
-            or deadline_ms > MAX_DEADLINE_MS:
-        raise WireError(f"{what}: nbytes must be positive, holder a node id, transport one of {PEER_TRANSPORTS} "
-                        f"and deadline_ms at most {MAX_DEADLINE_MS}")
+    if nbytes == 0 or not 0 < len(holder) <= 128 or transport not in PEER_TRANSPORTS or deadline_ms > MAX_DEADLINE_MS:
+        raise WireError(
+            f"{what}: nbytes must be positive, holder a node id, transport one of {PEER_TRANSPORTS} "
+            f"and deadline_ms at most {MAX_DEADLINE_MS}"
+        )
     inc = o[7] if len(o) > 7 and isinstance(o[7], int) and not isinstance(o[7], bool) and o[7] >= 0 else 0
     return PullThrough(keys, group, nbytes, holder, transport, deadline_ms, inc)
 
@@ -290,8 +321,15 @@ def unpack_gpu_reserve(data) -> tuple[list[StoreItem], str]:
     out = []
     for r in _rows(_field(o, 1, list, what), 3, what):
         g, k, n = r[:3]
-        if not (isinstance(g, bytes) and len(g) == HASH_BYTES and isinstance(k, bytes) and len(k) == HASH_BYTES
-                and isinstance(n, int) and not isinstance(n, bool) and n > 0):
+        if not (
+            isinstance(g, bytes)
+            and len(g) == HASH_BYTES
+            and isinstance(k, bytes)
+            and len(k) == HASH_BYTES
+            and isinstance(n, int)
+            and not isinstance(n, bool)
+            and n > 0
+        ):
             raise WireError(f"{what}: group and key must be {HASH_BYTES} bytes and nbytes a positive int")
         out.append(StoreItem(g, k, n, 0))
     requester = o[2] if len(o) > 2 and isinstance(o[2], str) else ""
@@ -306,8 +344,9 @@ def unpack_gpu_reserved(data) -> GpuReserved:
     what = "GpuReserved"
     o = _unpack(data, what)
     slots = _field(o, 2, list, what)
-    if len(slots) > MAX_KEYS or not all(s is None or (isinstance(s, int) and not isinstance(s, bool) and s >= 0)
-                                        for s in slots):
+    if len(slots) > MAX_KEYS or not all(
+        s is None or (isinstance(s, int) and not isinstance(s, bool) and s >= 0) for s in slots
+    ):
         raise WireError(f"{what}: slots must be non-negative ints or nil")
     return GpuReserved(_field(o, 1, int, what), slots, _field(o, 3, str, what))
 
@@ -321,6 +360,7 @@ def unpack_gpu_commit(data) -> tuple[int, list[int | None]]:
     o = _unpack(data, what)
     sums = _field(o, 2, list, what)
     if len(sums) > MAX_KEYS or not all(
-            x is None or (isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= U64) for x in sums):
+        x is None or (isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= U64) for x in sums
+    ):
         raise WireError(f"{what}: device sums must be u64 or nil")
     return _field(o, 1, int, what), [None if x is None else _int64(x) for x in sums]

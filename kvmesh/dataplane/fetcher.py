@@ -67,12 +67,12 @@ class Fetcher:
         stats: list[RunStats] = []
         try:
             for r, k in zip(runs, kinds):
-                transfers.append(sources.begin(env, r, k, sink, opts.chunk_bytes, opts.deadline, opts.group,
-                                               opts.transport))
+                transfers.append(
+                    sources.begin(env, r, k, sink, opts.chunk_bytes, opts.deadline, opts.group, opts.transport)
+                )
             for t in transfers:
                 landed = t.complete(opts.deadline)
-                stats.append(RunStats(t.kind, _link(t.run), len(t.run.keys), landed.delivered,
-                                      time.monotonic() - t0))
+                stats.append(RunStats(t.kind, _link(t.run), len(t.run.keys), landed.delivered, time.monotonic() - t0))
                 delivered += landed.delivered
                 corrupt += landed.corrupt
                 device += landed.device
@@ -84,8 +84,9 @@ class Fetcher:
                 t.release()
         result = sink.finish(delivered)
         local = sum(s.delivered for s in stats if s.source == "slab")
-        return result, FetchStats(local, delivered - local, time.monotonic() - t0, error, len(chunks), corrupt,
-                                  tuple(stats), device)
+        return result, FetchStats(
+            local, delivered - local, time.monotonic() - t0, error, len(chunks), corrupt, tuple(stats), device
+        )
 
 
 def _link(run: Run) -> str:

@@ -45,8 +45,10 @@ class GpuReads:
             try:
                 return cls(exports)
             except (GpuIpcError, ValueError) as e:
-                log.info("kvmesh: the node's GPU tier cannot be mapped here (%s): its chunks come through the slab",
-                         getattr(e, "reason", e))
+                log.info(
+                    "kvmesh: the node's GPU tier cannot be mapped here (%s): its chunks come through the slab",
+                    getattr(e, "reason", e),
+                )
                 return None
         except ImportError:
             return None

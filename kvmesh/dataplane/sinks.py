@@ -44,13 +44,14 @@ class HostSink:
     def __init__(self, spec: KVSpec, out: torch.Tensor) -> None:
         self.spec, self.out = spec, out
         s = spec
-        self._u8 = out.view(torch.uint8).view(s.num_layers, 2, out.shape[2], s.num_kv_heads * s.head_dim *
-                                              s.element_size)
+        self._u8 = out.view(torch.uint8).view(
+            s.num_layers, 2, out.shape[2], s.num_kv_heads * s.head_dim * s.element_size
+        )
         self._np: np.ndarray | None = None  # the same memory as numpy (slices cheap enough for every chunk)
 
     def _dst(self, i: int) -> torch.Tensor:
         c = self.spec.chunk_tokens
-        return self._u8[:, :, i * c:(i + 1) * c]
+        return self._u8[:, :, i * c : (i + 1) * c]
 
     def prepare(self, staged: Sequence[int]) -> None:
         pass
@@ -59,14 +60,15 @@ class HostSink:
         if self._np is None:
             self._np = self._u8.numpy()
         c, u8 = self.spec.chunk_tokens, self._np
-        return [u8[layer, kv, i * c:(i + 1) * c] for layer in range(self.spec.num_layers) for kv in (0, 1)]
+        return [u8[layer, kv, i * c : (i + 1) * c] for layer in range(self.spec.num_layers) for kv in (0, 1)]
 
     def put(self, i: int, src) -> None:
         s = self.spec
         self._dst(i).copy_(torch.frombuffer(src, dtype=torch.uint8).view(s.num_layers, 2, s.chunk_tokens, -1))
 
-    def adopt(self, i: int, src, chunk_checksum: int, on_bad: Callable[[], None],
-              device_sum: int | None = None) -> bool:
+    def adopt(
+        self, i: int, src, chunk_checksum: int, on_bad: Callable[[], None], device_sum: int | None = None
+    ) -> bool:
         return False
 
     def commit(self, i: int, chunk_checksum: int) -> None:
@@ -119,8 +121,9 @@ class DeviceSink:
     def put(self, i: int, src) -> None:
         self._row(i).copy_(torch.frombuffer(src, dtype=torch.uint8))
 
-    def adopt(self, i: int, src, chunk_checksum: int, on_bad: Callable[[], None],
-              device_sum: int | None = None) -> bool:
+    def adopt(
+        self, i: int, src, chunk_checksum: int, on_bad: Callable[[], None], device_sum: int | None = None
+    ) -> bool:
         self._srcs[i] = src
         if device_sum is not None:  # checked on the device in finish(), over what landed there
             self._device[i] = (device_sum, on_bad)
@@ -159,8 +162,7 @@ class DeviceSink:
         if n == 0:
             self._release()
             return None, 0
-        load = to_device([self._srcs[i] for i in range(n)], self.spec, self.device,
-                         min_copy_bytes=self.min_copy_bytes)
+        load = to_device([self._srcs[i] for i in range(n)], self.spec, self.device, min_copy_bytes=self.min_copy_bytes)
         load.checks, load.checked = self._checks, self._checked
         on_device = sorted(i for i in self._device if i < n)
         if on_device:  # device checksums of what landed, on a side stream as each layer group lands

@@ -212,8 +212,16 @@ class TcpTransfer(Transfer):
         self._cancel = threading.Event()
         self._sums: list[int] = []
         self._future: Future = env.pool.submit(
-            env.data.pull, address, list(run.keys), chunk_bytes, lambda j: sink.segments(run.start + j),
-            deadline, env.here, self._sums, self._cancel)
+            env.data.pull,
+            address,
+            list(run.keys),
+            chunk_bytes,
+            lambda j: sink.segments(run.start + j),
+            deadline,
+            env.here,
+            self._sums,
+            self._cancel,
+        )
 
     def complete(self, deadline: float) -> Landed:
         run = self.run
@@ -258,10 +266,10 @@ class RayTransfer(Transfer):
         except (NodeCallError, TimeoutError, WireError) as e:
             return Landed(0, _error_of(e))
         off = 0
-        for j, (nbytes, want) in enumerate(p.rows[:len(run.keys)]):
+        for j, (nbytes, want) in enumerate(p.rows[: len(run.keys)]):
             if nbytes != cb or off + nbytes > p.data.size:
                 return Landed(j, "peer_error")
-            piece = p.data[off:off + nbytes]
+            piece = p.data[off : off + nbytes]
             if checksum(piece) != want:  # damaged on the way (the holder checked before sending)
                 self._holder.report_corrupt([run.keys[j]])
                 return Landed(j, "checksum", corrupt=True)
@@ -272,8 +280,9 @@ class RayTransfer(Transfer):
         return Landed(n, "" if n == len(run.keys) else "not_held")
 
 
-def begin(env: Env, run: Run, kind: str, sink, chunk_bytes: int, deadline: float, group: bytes = b"",
-          transport: str = "tcp") -> Transfer:
+def begin(
+    env: Env, run: Run, kind: str, sink, chunk_bytes: int, deadline: float, group: bytes = b"", transport: str = "tcp"
+) -> Transfer:
     """Phase 1 of `run` through source `kind` ("slab", "via", "tcp", "ray"), for chunks of `chunk_bytes`."""
     if kind == "slab":  # a device sink on a GPU reads GPU-tier chunks device to device where it can map them
         assert env.local is not None, "the planner gives slab runs only to a reader beside its KVNode"

@@ -52,8 +52,16 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def spec_for_model(model, *, model_id: str | None = None, chunk_tokens: int = 256, lora_id: str | None = None,
-                   tp_rank: int = 0, tp_size: int = 1, kv_format: KVFormat | None = HF_FORMAT) -> KVSpec:
+def spec_for_model(
+    model,
+    *,
+    model_id: str | None = None,
+    chunk_tokens: int = 256,
+    lora_id: str | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    kv_format: KVFormat | None = HF_FORMAT,
+) -> KVSpec:
     cfg = model.config
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -62,9 +70,18 @@ def spec_for_model(model, *, model_id: str | None = None, chunk_tokens: int = 25
     if model_id is None:
         name = getattr(cfg, "name_or_path", "") or cfg.model_type
         model_id = f"{name}@{weights_fingerprint(model)}"
-    return KVSpec(model_id=model_id, num_layers=cfg.num_hidden_layers, num_kv_heads=kv_heads // tp_size,
-                  head_dim=head_dim, dtype=dtype, chunk_tokens=chunk_tokens, tp_rank=tp_rank, tp_size=tp_size,
-                  lora_id=lora_id, kv_format=kv_format)
+    return KVSpec(
+        model_id=model_id,
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=kv_heads // tp_size,
+        head_dim=head_dim,
+        dtype=dtype,
+        chunk_tokens=chunk_tokens,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        lora_id=lora_id,
+        kv_format=kv_format,
+    )
 
 
 def _new_cache():
@@ -84,8 +101,12 @@ def cache_from_kv(kv: torch.Tensor):
     """A `DynamicCache` holding (a copy of) `kv` ([num_layers, 2, T, H, D])."""
     cache = _new_cache()
     for layer in range(kv.shape[0]):
-        _install(cache, layer, kv[layer, 0].transpose(0, 1).unsqueeze(0).contiguous(),
-                 kv[layer, 1].transpose(0, 1).unsqueeze(0).contiguous())
+        _install(
+            cache,
+            layer,
+            kv[layer, 0].transpose(0, 1).unsqueeze(0).contiguous(),
+            kv[layer, 1].transpose(0, 1).unsqueeze(0).contiguous(),
+        )
     return cache
 
 
@@ -122,8 +143,14 @@ def _forward(model, ids: torch.Tensor, cache, **kw):
     return model(input_ids=ids, use_cache=True, **{_cache_kwarg(model): cache}, **kw)
 
 
-def prefill_on_load(model, suffix_ids: torch.Tensor, load: LayerwiseLoad | None, loaded_tokens: int,
-                    front_cache=None, front_tokens: int = 0):
+def prefill_on_load(
+    model,
+    suffix_ids: torch.Tensor,
+    load: LayerwiseLoad | None,
+    loaded_tokens: int,
+    front_cache=None,
+    front_tokens: int = 0,
+):
     """Prefill `suffix_ids` ([1, S]) on top of a prefix made of `front_tokens` computed tokens (in
     `front_cache`) followed by `loaded_tokens` tokens arriving through `load` (chunk layout). Decoder layer i
     waits only for layer i of the load. Returns (last-position logits, cache)."""
@@ -146,8 +173,11 @@ def prefill_on_load(model, suffix_ids: torch.Tensor, load: LayerwiseLoad | None,
     if load is not None:
         # K/V are written on the load's consumer stream; this stream waits for each layer before using it, so
         # by the time they are freed here the writes are long done
-        load.then(lambda layer, piece: scatter_contiguous(piece.unsqueeze(1), keys, values, front_tokens,
-                                                          range(layer, layer + 1)))
+        load.then(
+            lambda layer, piece: scatter_contiguous(
+                piece.unsqueeze(1), keys, values, front_tokens, range(layer, layer + 1)
+            )
+        )
     cache = _new_cache()
     for layer in range(num_layers):
         _install(cache, layer, keys[layer], values[layer])
@@ -191,8 +221,9 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def generate(model, prompt, max_new_tokens: int = 16, client=None, cache_salt=None, store: bool = True,
-             keep_logits: bool = False) -> GenerationResult:
+def generate(
+    model, prompt, max_new_tokens: int = 16, client=None, cache_salt=None, store: bool = True, keep_logits: bool = False
+) -> GenerationResult:
     """Greedy generation with kvmesh reuse when `client` is given, plain recompute otherwise."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -267,7 +298,7 @@ def _reuse(model, ids, toks, client, cache_salt, res: GenerationResult):
     res.reused_local_tokens = min(loaded, stats.local_chunks * c)
     res.reused_peer_tokens = loaded - res.reused_local_tokens
     t2 = time.perf_counter()
-    logits, cache = prefill_on_load(model, ids[:, front + loaded:], load, loaded, front_cache, front)
+    logits, cache = prefill_on_load(model, ids[:, front + loaded :], load, loaded, front_cache, front)
     _sync(device)
     res.prefill_s = time.perf_counter() - t2
     if load is not None:
@@ -307,16 +338,32 @@ def _start_load(client, part, device: torch.device, model):
     return None, None, joined
 
 
-def tiny_llama(seed: int = 0, *, vocab_size: int = 4096, hidden_size: int = 256, num_layers: int = 4,
-               num_heads: int = 8, num_kv_heads: int = 4, intermediate_size: int = 688,
-               max_position_embeddings: int = 8192, initializer_range: float = 0.2, dtype=torch.float32):
+def tiny_llama(
+    seed: int = 0,
+    *,
+    vocab_size: int = 4096,
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 8,
+    num_kv_heads: int = 4,
+    intermediate_size: int = 688,
+    max_position_embeddings: int = 8192,
+    initializer_range: float = 0.2,
+    dtype=torch.float32,
+):
     """A random-weight `LlamaForCausalLM`, identical for equal arguments in every process. The large
     `initializer_range` keeps greedy outputs prompt-dependent, so output comparisons mean something."""
-    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                                   intermediate_size=intermediate_size,
-                                   max_position_embeddings=max_position_embeddings,
-                                   initializer_range=initializer_range, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        tie_word_embeddings=False,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.LlamaForCausalLM(cfg)

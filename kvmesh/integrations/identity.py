@@ -19,8 +19,11 @@ def model_fingerprint(path: str) -> str:
     """BLAKE2b-64 over a local model (or LoRA adapter) directory's config and weight files (names, sizes,
     bytes)."""
     h = hashlib.blake2b(digest_size=8, person=b"kvmesh.weights")
-    names = sorted(n for n in os.listdir(path) if n in ("config.json", "adapter_config.json")
-                   or n.endswith((".safetensors", ".bin", ".pt", ".gguf")))
+    names = sorted(
+        n
+        for n in os.listdir(path)
+        if n in ("config.json", "adapter_config.json") or n.endswith((".safetensors", ".bin", ".pt", ".gguf"))
+    )
     for name in names:
         full = os.path.join(path, name)
         h.update(f"{name}|{os.path.getsize(full)}|".encode())

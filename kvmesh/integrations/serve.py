@@ -52,16 +52,24 @@ try:
     from ray.serve.config import RequestRouterConfig
     from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 except ModuleNotFoundError as e:  # Ray without its serve extra (starlette, fastapi, uvicorn, ...)
-    raise MissingExtra(f"kvmesh.integrations.serve needs Ray Serve ({e.name}): pip install 'kvmesh[serve]'",
-                       name=e.name) from None
+    raise MissingExtra(
+        f"kvmesh.integrations.serve needs Ray Serve ({e.name}): pip install 'kvmesh[serve]'", name=e.name
+    ) from None
 
 DEFAULT_EPS = 0.25
 DEFAULT_MIN_CAP = 4
 
 
-def router_config(spec: KVSpec, *, eps: float = DEFAULT_EPS, min_cap: int = DEFAULT_MIN_CAP,
-                  cache_salt: str | None = None, redis_url: str | None = None,
-                  prefill_tokens_per_s: float | None = None, **options) -> RequestRouterConfig:
+def router_config(
+    spec: KVSpec,
+    *,
+    eps: float = DEFAULT_EPS,
+    min_cap: int = DEFAULT_MIN_CAP,
+    cache_salt: str | None = None,
+    redis_url: str | None = None,
+    prefill_tokens_per_s: float | None = None,
+    **options,
+) -> RequestRouterConfig:
     """The `request_router_config` of a deployment whose replicas are kvmesh workers of `spec`. `eps`: the
     bounded-load slack (0 = perfectly even, larger = more reuse); `min_cap`: in-flight requests any replica may
     have whatever the average; `cache_salt`: the tenant the prompts belong to; `redis_url` and `options`
@@ -70,8 +78,15 @@ def router_config(spec: KVSpec, *, eps: float = DEFAULT_EPS, min_cap: int = DEFA
         raise TypeError(f"spec must be a kvmesh.KVSpec, got {type(spec).__name__}")
     _check_eps(eps)
     _check_min_cap(min_cap)
-    kwargs = dict(spec=spec.canonical_bytes().hex(), eps=float(eps), min_cap=int(min_cap), cache_salt=cache_salt,
-                  redis_url=redis_url, prefill_tokens_per_s=prefill_tokens_per_s, options=options)
+    kwargs = dict(
+        spec=spec.canonical_bytes().hex(),
+        eps=float(eps),
+        min_cap=int(min_cap),
+        cache_salt=cache_salt,
+        redis_url=redis_url,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+        options=options,
+    )
     return RequestRouterConfig(request_router_class=KVMeshRouter, request_router_kwargs=kwargs)
 
 
@@ -91,8 +106,9 @@ def request_tokens(request: PendingRequest):
     if toks is None and request.args:
         toks = request.args[0]
     if isinstance(toks, (list, tuple)):
-        return toks if toks and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in toks) \
-            else None
+        return (
+            toks if toks and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in toks) else None
+        )
     is_array = isinstance(toks, np.ndarray) or (type(toks).__module__.startswith("torch") and hasattr(toks, "dim"))
     return toks if is_array and getattr(toks, "ndim", 0) == 1 and getattr(toks, "shape", (0,))[0] > 0 else None
 
@@ -101,9 +117,17 @@ class KVMeshRouter(RequestRouter):
     """Selected through `router_config(spec, ...)`; Serve constructs it in every process that routes to the
     deployment and calls `initialize_state` with the config's kwargs."""
 
-    def initialize_state(self, spec: str = "", eps: float = DEFAULT_EPS, min_cap: int = DEFAULT_MIN_CAP,
-                         cache_salt: str | None = None, redis_url: str | None = None,
-                         prefill_tokens_per_s: float | None = None, options: dict | None = None, **_) -> None:
+    def initialize_state(
+        self,
+        spec: str = "",
+        eps: float = DEFAULT_EPS,
+        min_cap: int = DEFAULT_MIN_CAP,
+        cache_salt: str | None = None,
+        redis_url: str | None = None,
+        prefill_tokens_per_s: float | None = None,
+        options: dict | None = None,
+        **_,
+    ) -> None:
         import kvmesh
 
         _check_eps(eps)
@@ -112,8 +136,9 @@ class KVMeshRouter(RequestRouter):
         self.min_cap = int(min_cap)
         self.cache_salt = cache_salt
         self.prefill_tokens_per_s = prefill_tokens_per_s
-        self.client = kvmesh.connect(KVSpec.from_canonical_bytes(bytes.fromhex(spec)), redis_url,
-                                     cache_salt=cache_salt, **(options or {}))
+        self.client = kvmesh.connect(
+            KVSpec.from_canonical_bytes(bytes.fromhex(spec)), redis_url, cache_salt=cache_salt, **(options or {})
+        )
         self.in_flight: dict[ReplicaID, int] = {}  # this router's requests sent and not completed, per replica
         # ... and their estimated prefill seconds: request id -> (replica, seconds, when routed)
         self.work: dict[str, tuple[str, float, float]] = {}
@@ -154,8 +179,9 @@ class KVMeshRouter(RequestRouter):
             first[rid] = min(first.get(rid, at), at)
         return {rid: max(0.0, s - (now - first[rid])) for rid, s in total.items()}
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         allowed = self.allowed(candidate_replicas)
@@ -167,8 +193,7 @@ class KVMeshRouter(RequestRouter):
             located = [r for r in allowed if r.node_id]
             if located:
                 queued = self.queued_s(time.monotonic())
-                est = await asyncio.get_running_loop().run_in_executor(self._pool, self._route, toks, located,
-                                                                       queued)
+                est = await asyncio.get_running_loop().run_in_executor(self._pool, self._route, toks, located, queued)
                 self.last_estimates = est
                 ttft = {e.candidate.replica_id: e.expected_ttft_s for e in est if e.expected_ttft_s is not None}
                 work = {e.candidate.replica_id: e.prefill_s for e in est if e.prefill_s is not None}
@@ -185,23 +210,24 @@ class KVMeshRouter(RequestRouter):
         from kvmesh import routing
 
         with self._lock:
-            return routing.route(self.client, toks, replicas, None,
-                                 prefill_tokens_per_s=self.prefill_tokens_per_s, queued_s=queued)
+            return routing.route(
+                self.client, toks, replicas, None, prefill_tokens_per_s=self.prefill_tokens_per_s, queued_s=queued
+            )
 
 
 class LoadReporter:
     """A replica's load, published through kvmesh for the routers' estimates. Use one per replica:
 
-        reporter = LoadReporter(client)              # replica id: Serve's, inside a replica
-        with reporter.request(prompt_ids):           # queued and prefilling until prefilled() or the end
-            ...
+            reporter = LoadReporter(client)              # replica id: Serve's, inside a replica
+            with reporter.request(prompt_ids):           # queued and prefilling until prefilled() or the end
+                ...
 
-`request(prompt_ids)` counts the tokens this replica will prefill as kvmesh estimates them for its node (the
-prompt less what it holds or would pull: one directory round trip, `route` on its own node), so a queue of
-requests whose prefixes are cached reads as the little work it is; `request(n)` counts `n` tokens as given.
+    `request(prompt_ids)` counts the tokens this replica will prefill as kvmesh estimates them for its node (the
+    prompt less what it holds or would pull: one directory round trip, `route` on its own node), so a queue of
+    requests whose prefixes are cached reads as the little work it is; `request(n)` counts `n` tokens as given.
 
-    A background thread publishes whenever the load changed (coalescing bursts) and at least every `lease_s`
-    (reports older than a few lease periods read as unknown). `close()` stops it."""
+        A background thread publishes whenever the load changed (coalescing bursts) and at least every `lease_s`
+        (reports older than a few lease periods read as unknown). `close()` stops it."""
 
     def __init__(self, client, replica_id: str | None = None) -> None:
         if replica_id is None:

@@ -87,12 +87,14 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 # Bumped whenever this backend changes how it writes a page's bytes: pages written before are then never read.
 SGLANG_FORMAT_VERSION = 1
 # SGLang host pool name (prefix) -> the model feature it stands for
-_POOL_FEATURES = (("swa", "hybrid sliding-window attention (a separate SWA KV pool)"),
-                  ("auxiliary_swa", "hybrid sliding-window attention (a separate SWA KV pool)"),
-                  ("mamba", "Mamba / state-space layers (a recurrent state pool)"),
-                  ("indexer", "sparse-attention indexer keys (DeepSeek-V3.2 DSA)"),
-                  ("deepseek_v4", "DeepSeek-V4 compressed KV"),
-                  ("draft", "speculative-decoding draft-model KV"))
+_POOL_FEATURES = (
+    ("swa", "hybrid sliding-window attention (a separate SWA KV pool)"),
+    ("auxiliary_swa", "hybrid sliding-window attention (a separate SWA KV pool)"),
+    ("mamba", "Mamba / state-space layers (a recurrent state pool)"),
+    ("indexer", "sparse-attention indexer keys (DeepSeek-V3.2 DSA)"),
+    ("deepseek_v4", "DeepSeek-V4 compressed KV"),
+    ("draft", "speculative-decoding draft-model KV"),
+)
 
 
 def parse_options(extra: dict | None) -> dict:
@@ -102,8 +104,10 @@ def parse_options(extra: dict | None) -> dict:
         if extra and extra.get(name) is not None:
             v = extra[name]
             if isinstance(v, bool) or not isinstance(v, kind) or (kind is str and not v):
-                raise ValueError(f"kvmesh SGLang backend: extra_config[{name!r}] must be a non-empty "
-                                 f"{getattr(kind, '__name__', 'number')}, got {v!r}")
+                raise ValueError(
+                    f"kvmesh SGLang backend: extra_config[{name!r}] must be a non-empty "
+                    f"{getattr(kind, '__name__', 'number')}, got {v!r}"
+                )
             if kind is not str and v <= 0:
                 raise ValueError(f"kvmesh SGLang backend: extra_config[{name!r}] must be > 0, got {v!r}")
             out[name] = v
@@ -119,8 +123,10 @@ def model_identity(storage_config: HiCacheStorageConfig, options: dict) -> str:
     if os.path.isdir(name):
         return local_model_id(name)
     if "model_revision" not in options:
-        raise ValueError(f"kvmesh SGLang backend: {name!r} is not a local directory, so kvmesh cannot fingerprint "
-                         f"its weights; set extra_config model_revision (or model_id)")
+        raise ValueError(
+            f"kvmesh SGLang backend: {name!r} is not a local directory, so kvmesh cannot fingerprint "
+            f"its weights; set extra_config model_revision (or model_id)"
+        )
     return f"{name}@{options['model_revision']}"
 
 
@@ -128,17 +134,27 @@ def spec_for_pool(storage_config: HiCacheStorageConfig, host_pool, options: dict
     """The kvmesh spec of the pages in SGLang's host pool: one chunk per page."""
     layout = getattr(host_pool, "layout", None)
     if layout not in LAYOUTS or not hasattr(host_pool, "kv_buffer"):
-        raise ValueError(f"kvmesh SGLang backend supports MHA host pools with layout in {LAYOUTS}, got "
-                         f"{type(host_pool).__name__} with layout {layout!r}")
+        raise ValueError(
+            f"kvmesh SGLang backend supports MHA host pools with layout in {LAYOUTS}, got "
+            f"{type(host_pool).__name__} with layout {layout!r}"
+        )
     if getattr(host_pool, "v_head_dim", host_pool.head_dim) != host_pool.head_dim:
         raise ValueError("kvmesh SGLang backend: K and V head dims differ; kvmesh chunks hold equal K and V")
     model_id = model_identity(storage_config, options)
     if storage_config.pp_size > 1:  # stages hold different layers of the same model
         model_id += f"#layers{host_pool.start_layer}-{host_pool.end_layer}"
-    return KVSpec(model_id=model_id, num_layers=host_pool.layer_num, num_kv_heads=host_pool.head_num,
-                  head_dim=host_pool.head_dim, dtype=str(host_pool.dtype).removeprefix("torch."),
-                  chunk_tokens=host_pool.page_size, tp_rank=storage_config.tp_rank,
-                  tp_size=storage_config.tp_size, lora_id=options.get("lora_id"), kv_format=sglang_kv_format(layout))
+    return KVSpec(
+        model_id=model_id,
+        num_layers=host_pool.layer_num,
+        num_kv_heads=host_pool.head_num,
+        head_dim=host_pool.head_dim,
+        dtype=str(host_pool.dtype).removeprefix("torch."),
+        chunk_tokens=host_pool.page_size,
+        tp_rank=storage_config.tp_rank,
+        tp_size=storage_config.tp_size,
+        lora_id=options.get("lora_id"),
+        kv_format=sglang_kv_format(layout),
+    )
 
 
 def sglang_kv_format(layout: str) -> KVFormat:
@@ -155,14 +171,17 @@ def pool_feature(name: str) -> str:
 
 
 def generation_group(root: bytes, generation: int) -> bytes:
-    return hashlib.blake2b(root + generation.to_bytes(8, "little"), digest_size=HASH_BYTES,
-                           person=b"kvmesh.sglgrp").digest()
+    return hashlib.blake2b(
+        root + generation.to_bytes(8, "little"), digest_size=HASH_BYTES, person=b"kvmesh.sglgrp"
+    ).digest()
 
 
 def page_keys(group: bytes, keys: list[str]) -> list[bytes]:
     """kvmesh chunk keys of SGLang page keys, in `group`'s generation (see the module docstring)."""
-    return [hashlib.blake2b(group + k.encode("utf-8"), digest_size=HASH_BYTES, person=b"kvmesh.sglang").digest()
-            for k in keys]
+    return [
+        hashlib.blake2b(group + k.encode("utf-8"), digest_size=HASH_BYTES, person=b"kvmesh.sglang").digest()
+        for k in keys
+    ]
 
 
 def chunk_view(page: torch.Tensor, layout: str) -> torch.Tensor:
@@ -188,8 +207,9 @@ class KVMeshStorage(HiCacheStorage):
         if storage_config.is_mla_model:
             raise ValueError("kvmesh SGLang backend: MLA models are not supported (kvmesh chunks hold K and V)")
         if storage_config.should_split_heads:
-            raise ValueError("kvmesh SGLang backend: split-head storage (TP sizes of different engines mixed) "
-                             "is not supported")
+            raise ValueError(
+                "kvmesh SGLang backend: split-head storage (TP sizes of different engines mixed) is not supported"
+            )
         salt_bytes(self.options.get("cache_salt"))
         self.counts: Counter[str] = Counter()  # becomes the client's counts (exported with them) once connected
         self.client: KVMeshClient | None = None  # these three are set once SGLang registers its host pool
@@ -202,8 +222,12 @@ class KVMeshStorage(HiCacheStorage):
         self._group = b""
         self._gen_at = 0.0
         self._scratch: torch.Tensor | None = None
-        self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
-                                          "backup_bandwidth": []}
+        self._metrics: dict[str, list] = {
+            "prefetch_pgs": [],
+            "backup_pgs": [],
+            "prefetch_bandwidth": [],
+            "backup_bandwidth": [],
+        }
         import ray
 
         if not ray.is_initialized():
@@ -220,8 +244,9 @@ class KVMeshStorage(HiCacheStorage):
                 return
             self.client.close()
         node_id = self.options.get("ray_node_id") or os.environ.get("KVMESH_RAY_NODE_ID") or None
-        client = connect(spec, self.options.get("redis_url"), cache_salt=self.options.get("cache_salt"),
-                         node_id=node_id)
+        client = connect(
+            spec, self.options.get("redis_url"), cache_salt=self.options.get("cache_salt"), node_id=node_id
+        )
         client.counts.update(self.counts)
         self.client, self.spec, self.counts = client, spec, client.counts
         self._layout = mem_pool_host.layout
@@ -230,15 +255,21 @@ class KVMeshStorage(HiCacheStorage):
         self._gen_at = 0.0
         self._refresh_generation(force=True)
         if spec.chunk_bytes * 8 < client.config.slot_bytes:
-            log.warning("kvmesh: an SGLang page is %d bytes but the nodes' slots are %d bytes; most of each slot "
-                        "is wasted (set slot_bytes near the page size)", spec.chunk_bytes, client.config.slot_bytes)
+            log.warning(
+                "kvmesh: an SGLang page is %d bytes but the nodes' slots are %d bytes; most of each slot "
+                "is wasted (set slot_bytes near the page size)",
+                spec.chunk_bytes,
+                client.config.slot_bytes,
+            )
         log.info("kvmesh SGLang backend on node %s: %s", client.node_id, spec)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         name = str(getattr(host_pool_name, "value", host_pool_name))
         if name != "kv":  # SGLang registers its pools at start-up: the engine refuses to start, naming why
-            raise ValueError(f"kvmesh SGLang backend: the model has {pool_feature(name)} (host pool {name!r}), "
-                             f"which kvmesh does not support; only models with one uniform KV pool are")
+            raise ValueError(
+                f"kvmesh SGLang backend: the model has {pool_feature(name)} (host pool {name!r}), "
+                f"which kvmesh does not support; only models with one uniform KV pool are"
+            )
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     # -- generation (clear) ---------------------------------------------------------------------------------------
@@ -324,17 +355,21 @@ class KVMeshStorage(HiCacheStorage):
             k = got.shape[2] // s.chunk_tokens
             C = s.chunk_tokens
             for i in range(k):
-                write_page(i, got[:, :, i * C:(i + 1) * C])
+                write_page(i, got[:, :, i * C : (i + 1) * C])
         return k
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         """Pages of `keys` into the host pool at `host_indices` (page_size slots per key), straight from the
         fetched chunks; True for each page that arrived."""
         t0 = time.monotonic()
         C = self.spec.chunk_tokens if self.spec is not None else 0  # (not registered: _guarded answers 0 pages)
-        ok = self._guarded("get", len(keys), lambda: self._fetch(
-            list(keys), lambda i, chunk: self._host_page(int(host_indices[i * C])).copy_(chunk)))
+        ok = self._guarded(
+            "get",
+            len(keys),
+            lambda: self._fetch(list(keys), lambda i, chunk: self._host_page(int(host_indices[i * C])).copy_(chunk)),
+        )
         self._note("prefetch", ok, t0)
         return [i < ok for i in range(len(keys))]
 
@@ -344,8 +379,11 @@ class KVMeshStorage(HiCacheStorage):
             self.counts["sglang_errors_get"] += 1
             return [None] * len(keys)
         t0 = time.monotonic()
-        ok = self._guarded("get", len(keys), lambda: self._fetch(
-            list(keys), lambda i, chunk: self._flat_page(target_locations[i]).copy_(chunk)))
+        ok = self._guarded(
+            "get",
+            len(keys),
+            lambda: self._fetch(list(keys), lambda i, chunk: self._flat_page(target_locations[i]).copy_(chunk)),
+        )
         self._note("prefetch", ok, t0)
         return [target_locations[i] if i < ok else None for i in range(len(keys))]
 
@@ -369,12 +407,20 @@ class KVMeshStorage(HiCacheStorage):
             stored = self.client.flush() if sent else 0
         return stored == sent and c["store_no_local_node"] + c["store_dropped_busy"] == refused
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         t0 = time.monotonic()
         P = self.spec.chunk_tokens if self.spec else 0
-        ok = self._guarded("set", len(keys), lambda: len(keys) if self._store(
-            list(keys), [self._host_page(int(host_indices[i * P])) for i in range(len(keys))]) else 0)
+        ok = self._guarded(
+            "set",
+            len(keys),
+            lambda: (
+                len(keys)
+                if self._store(list(keys), [self._host_page(int(host_indices[i * P])) for i in range(len(keys))])
+                else 0
+            ),
+        )
         self._note("backup", ok, t0)
         return [ok == len(keys)] * len(keys)
 
@@ -384,8 +430,9 @@ class KVMeshStorage(HiCacheStorage):
             self.counts["sglang_errors_set"] += 1
             return False
         t0 = time.monotonic()
-        ok = self._guarded("set", len(keys), lambda: len(keys) if self._store(
-            list(keys), [self._flat_page(v) for v in values]) else 0)
+        ok = self._guarded(
+            "set", len(keys), lambda: len(keys) if self._store(list(keys), [self._flat_page(v) for v in values]) else 0
+        )
         self._note("backup", ok, t0)
         return ok == len(keys)
 

@@ -57,8 +57,8 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvmesh.integrations.vllm_options import ConnectorOptions, background_save_copy, parse_options, specs_for_vllm
 from kvmesh.integrations.vllm_meta import StepMeta
+from kvmesh.integrations.vllm_options import ConnectorOptions, background_save_copy, parse_options, specs_for_vllm
 from kvmesh.integrations.vllm_scheduler import SchedulerSide
 from kvmesh.integrations.vllm_worker import WorkerSide
 from kvmesh.spec import KVFormat
@@ -99,8 +99,9 @@ def _cpu_writer(vllm_config, block_size: int, head_dim: int, num_kv_heads: int):
     def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor) -> None:
         n = cache.shape[0]
         k_cache, v_cache = cache.view(n, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache,
-                                       torch.arange(block_size, 2 * block_size), isa, kv_cache_dtype=cache_dtype)
+        ops.cpu_attn_reshape_and_cache(
+            key, value, k_cache, v_cache, torch.arange(block_size, 2 * block_size), isa, kv_cache_dtype=cache_dtype
+        )
 
     return write
 
@@ -120,8 +121,9 @@ def vllm_kv_format(vllm_config, kv_spec) -> KVFormat:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         isa = _get_attn_isa(vllm_config.model_config.dtype, bs, head, vllm_config.cache_config.cache_dtype)
-        codec = learn_codec(_cpu_writer(vllm_config, bs, head, heads), (heads, bs, 2 * head), bs, heads, head,
-                            kv_spec.dtype)
+        codec = learn_codec(
+            _cpu_writer(vllm_config, bs, head, heads), (heads, bs, 2 * head), bs, heads, head, kv_spec.dtype
+        )
         digest = hashlib.blake2b(codec.to_block.numpy().tobytes(), digest_size=8).hexdigest()
         layout = f"cpu:{isa}:bs{bs}:{digest}"
     else:
@@ -150,8 +152,11 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_rank = get_tensor_model_parallel_rank()
             except Exception:  # not initialised (a single worker)
                 tp_rank = 0
-        kv_format = (vllm_kv_format(vllm_config, groups[0].kv_cache_spec)
-                     if self.options.kv_format == "engine" and groups else None)
+        kv_format = (
+            vllm_kv_format(vllm_config, groups[0].kv_cache_spec)
+            if self.options.kv_format == "engine" and groups
+            else None
+        )
         specs = specs_for_vllm(vllm_config, kv_cache_config, self.options, tp_rank, kv_format=kv_format)
         spec = specs[0]
         block_size = groups[0].kv_cache_spec.block_size
@@ -172,12 +177,17 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
                 log.info("kvmesh: setting kv_load_failure_policy to 'recompute' (a failed load is a cache miss)")
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
         else:
-            self._worker = WorkerSide(specs, connect, self.options, block_size, kv_role,
-                                      [g.layer_names for g in groups], background)
+            self._worker = WorkerSide(
+                specs, connect, self.options, block_size, kv_role, [g.layer_names for g in groups], background
+            )
             self.counts = self._worker.counts
         self.spec, self.specs = spec, specs
-        log.info("kvmesh vLLM connector (%s) on node %s: %s", role.name, (self._sched or self._worker_side)
-                 .client(None).node_id, specs)
+        log.info(
+            "kvmesh vLLM connector (%s) on node %s: %s",
+            role.name,
+            (self._sched or self._worker_side).client(None).node_id,
+            specs,
+        )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -212,8 +222,9 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:  # allocated() plans a job (a failing one at worst) and never raises
             null = next((b.block_id for group in blocks.blocks for b in group if b.is_null), None)
-            self._sched_side.allocated(request, [list(ids) for ids in blocks.get_block_ids()], num_external_tokens,
-                                  null)
+            self._sched_side.allocated(
+                request, [list(ids) for ids in blocks.get_block_ids()], num_external_tokens, null
+            )
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         got = self._guard("sources", {}, self._sched_side.sources, request, num_external_tokens)
@@ -226,8 +237,13 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         return self._guard("build", StepMeta(), self._sched_side.build_step, scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        self._guard("output", None, self._sched_side.worker_output, connector_output.finished_recving,
-                    connector_output.kv_connector_worker_meta)
+        self._guard(
+            "output",
+            None,
+            self._sched_side.worker_output,
+            connector_output.finished_recving,
+            connector_output.kv_connector_worker_meta,
+        )
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         # no guard: keeping blocks that no worker will report would leak them, and the check cannot fail
@@ -242,8 +258,12 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         writer = None
         if first.device.type == "cpu":
             s = self.spec
-            writer = _cpu_writer(self._vllm_config, self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
-                                 s.head_dim, s.num_kv_heads)  # every group has this geometry
+            writer = _cpu_writer(
+                self._vllm_config,
+                self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
+                s.head_dim,
+                s.num_kv_heads,
+            )  # every group has this geometry
         self._worker_side.register(kv_caches, writer)  # a layout kvmesh cannot move is a configuration error: raise
 
     def handle_preemptions(self, kv_connector_metadata) -> None:

@@ -114,7 +114,7 @@ class Loader:
         if job.end_chunk > job.first_chunk:
             toks = np.frombuffer(job.tokens, dtype="<u4")
             hashes = w.client(job.lora_id, job.group).hashes(toks, job.salt)
-            need, group = hashes[job.first_chunk:job.end_chunk], hashes[0]
+            need, group = hashes[job.first_chunk : job.end_chunk], hashes[0]
         if not w.layers:
             need = []
         parts, owned, fresh = [], [], None
@@ -158,7 +158,7 @@ class Loader:
             log.warning("kvmesh: load failed: %s", e)
             w.count("vllm_errors_load")
             for ld in loads:
-                ld.failed = list(ld.job.block_ids[ld.job.skip_blocks:ld.job.fill_blocks])
+                ld.failed = list(ld.job.block_ids[ld.job.skip_blocks : ld.job.fill_blocks])
             if isinstance(item, SyncBatch):
                 for ev in item.layer_done:
                     ev.set()
@@ -214,7 +214,7 @@ class Loader:
                 break
             ok += 1
         lo, hi = job.skip_blocks, min(job.fill_blocks, ok * m)
-        ld.failed = list(job.block_ids[max(lo, ok * m):job.fill_blocks])
+        ld.failed = list(job.block_ids[max(lo, ok * m) : job.fill_blocks])
         if ld.ids is None:
             ids = torch.tensor(job.block_ids, dtype=torch.long)
             dev = group_layers[0].device
@@ -230,11 +230,16 @@ class Loader:
             for layer in layers:
                 if f.load is not None:  # this stream waits (on the GPU) for this layer's copy alone
                     f.load.wait(layer)
-                    scatter_chunks(f.load.staging[start:start + k, layer], group_layers[layer], w.codec,
-                                   ids[b0:b1], first=max(0, lo - b0))
+                    scatter_chunks(
+                        f.load.staging[start : start + k, layer],
+                        group_layers[layer],
+                        w.codec,
+                        ids[b0:b1],
+                        first=max(0, lo - b0),
+                    )
                     continue
                 assert f.kv is not None  # (a fetch into host memory)
-                src = f.kv[layer, :, start * c:start * c + (b1 - b0) * w.block_size]
+                src = f.kv[layer, :, start * c : start * c + (b1 - b0) * w.block_size]
                 scatter_layer(src, group_layers[layer], w.codec, ids[b0:b1], first=max(0, lo - b0))
             j += k
         if not verify_first:  # the checks of what was written (they ran while it was written)
@@ -242,7 +247,7 @@ class Loader:
             if good < ok:
                 w.count("vllm_load_unverified_chunks", ok - good)
                 ok, hi = good, min(job.fill_blocks, good * m)
-                ld.failed = list(job.block_ids[max(lo, ok * m):job.fill_blocks])
+                ld.failed = list(job.block_ids[max(lo, ok * m) : job.fill_blocks])
         if layers.stop == len(group_layers):
             w.count("vllm_loaded_chunks", ok)
             if len(w.specs) > 1:

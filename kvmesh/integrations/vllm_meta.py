@@ -63,5 +63,6 @@ class WorkerReport(KVConnectorWorkerMetadata):
     failed_loads: list[tuple[str, str]] = field(default_factory=list)  # (request, unreachable holder node or "")
 
     def aggregate(self, other: WorkerReport) -> WorkerReport:
-        return WorkerReport(self.prefills + other.prefills, self.transfers + other.transfers,
-                            self.failed_loads + other.failed_loads)
+        return WorkerReport(
+            self.prefills + other.prefills, self.transfers + other.transfers, self.failed_loads + other.failed_loads
+        )

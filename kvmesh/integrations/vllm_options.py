@@ -51,9 +51,20 @@ class ConnectorOptions:
     # worker with kv_format=None), trusting both to write the same bytes
 
 
-_KINDS: dict[str, Any] = {"ray_address": str, "ray_node_id": str, "redis_url": str, "cache_salt": str, "model_id": str,
-          "model_revision": str, "chunk_tokens": int, "load_mode": str, "cost_model": bool,
-          "fetch_timeout_s": (int, float), "save_copy": str, "kv_format": str}
+_KINDS: dict[str, Any] = {
+    "ray_address": str,
+    "ray_node_id": str,
+    "redis_url": str,
+    "cache_salt": str,
+    "model_id": str,
+    "model_revision": str,
+    "chunk_tokens": int,
+    "load_mode": str,
+    "cost_model": bool,
+    "fetch_timeout_s": (int, float),
+    "save_copy": str,
+    "kv_format": str,
+}
 # keys that are vLLM's or another connector's, not ours (MultiConnector passes its own through)
 _FOREIGN = ("connectors",)
 
@@ -64,30 +75,41 @@ def parse_options(extra: dict | None) -> ConnectorOptions:
     extra = dict(extra or {})
     unknown = sorted(k for k in extra if k not in _KINDS and k not in _FOREIGN)
     if unknown:
-        raise ValueError(f"kvmesh vLLM connector: unknown kv_connector_extra_config key(s) {unknown}; "
-                         f"known: {sorted(_KINDS)}")
+        raise ValueError(
+            f"kvmesh vLLM connector: unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(_KINDS)}"
+        )
     out = {}
     for name, kind in _KINDS.items():
         v = extra.get(name)
         if v is None:
             continue
-        bad = (not isinstance(v, kind) or (kind is not bool and isinstance(v, bool))
-               or (kind is str and not v) or (kind in (int, (int, float)) and v <= 0))
+        bad = (
+            not isinstance(v, kind)
+            or (kind is not bool and isinstance(v, bool))
+            or (kind is str and not v)
+            or (kind in (int, (int, float)) and v <= 0)
+        )
         if bad:
             what = {str: "a non-empty string", int: "a positive integer", bool: "true or false"}.get(
-                kind, "a positive number")
-            raise ValueError(f"kvmesh vLLM connector: kv_connector_extra_config[{name!r}] must be {what}, "
-                             f"got {v!r}")
+                kind, "a positive number"
+            )
+            raise ValueError(f"kvmesh vLLM connector: kv_connector_extra_config[{name!r}] must be {what}, got {v!r}")
         out[name] = v
     if out.get("load_mode", "async") not in LOAD_MODES:
-        raise ValueError(f"kvmesh vLLM connector: kv_connector_extra_config['load_mode'] must be one of "
-                         f"{LOAD_MODES}, got {out['load_mode']!r}")
+        raise ValueError(
+            f"kvmesh vLLM connector: kv_connector_extra_config['load_mode'] must be one of "
+            f"{LOAD_MODES}, got {out['load_mode']!r}"
+        )
     if out.get("save_copy", "inline") not in SAVE_COPIES:
-        raise ValueError(f"kvmesh vLLM connector: kv_connector_extra_config['save_copy'] must be one of "
-                         f"{SAVE_COPIES}, got {out['save_copy']!r}")
+        raise ValueError(
+            f"kvmesh vLLM connector: kv_connector_extra_config['save_copy'] must be one of "
+            f"{SAVE_COPIES}, got {out['save_copy']!r}"
+        )
     if out.get("kv_format", "engine") not in KV_FORMATS:
-        raise ValueError(f"kvmesh vLLM connector: kv_connector_extra_config['kv_format'] must be one of "
-                         f"{KV_FORMATS}, got {out['kv_format']!r}")
+        raise ValueError(
+            f"kvmesh vLLM connector: kv_connector_extra_config['kv_format'] must be one of "
+            f"{KV_FORMATS}, got {out['kv_format']!r}"
+        )
     if "\x00" in out.get("cache_salt", ""):
         raise ValueError("kvmesh vLLM connector: kv_connector_extra_config['cache_salt'] must not contain NUL")
     return ConnectorOptions(**out)
@@ -115,14 +137,18 @@ def model_identity(model_config, options: ConnectorOptions) -> str:
         else:
             revision = options.model_revision or getattr(model_config, "revision", None)
             if not revision:
-                raise ValueError(f"kvmesh vLLM connector: {name!r} is not a local directory and has no revision, so "
-                                 f"its weights could change under the same name; pass --revision, or set "
-                                 f"kv_connector_extra_config model_revision or model_id")
+                raise ValueError(
+                    f"kvmesh vLLM connector: {name!r} is not a local directory and has no revision, so "
+                    f"its weights could change under the same name; pass --revision, or set "
+                    f"kv_connector_extra_config model_revision or model_id"
+                )
             base = f"{name}@{revision}"
     overrides = getattr(model_config, "hf_overrides", None)
     if callable(overrides):
-        raise ValueError("kvmesh vLLM connector: hf_overrides is a function, which kvmesh cannot fingerprint; set "
-                         "kv_connector_extra_config model_id to name this configuration")
+        raise ValueError(
+            "kvmesh vLLM connector: hf_overrides is a function, which kvmesh cannot fingerprint; set "
+            "kv_connector_extra_config model_id to name this configuration"
+        )
     if overrides:
         digest = hashlib.blake2b(json.dumps(overrides, sort_keys=True, default=str).encode(), digest_size=8)
         base += f"#hf={digest.hexdigest()}"
@@ -145,11 +171,13 @@ def layer_index(name: str) -> int:
 
 
 # vLLM KV cache spec class -> the model feature it stands for, for those kvmesh cannot move
-_UNSUPPORTED = {"MambaSpec": "Mamba / state-space layers (a recurrent state, not per-token K/V)",
-                "ChunkedLocalAttentionSpec": "chunked local attention (Llama-4-style)",
-                "MLAAttentionSpec": "MLA (latent KV, DeepSeek-style)",
-                "CrossAttentionSpec": "cross-attention (encoder-decoder models)",
-                "EncoderOnlyAttentionSpec": "encoder-only attention"}
+_UNSUPPORTED = {
+    "MambaSpec": "Mamba / state-space layers (a recurrent state, not per-token K/V)",
+    "ChunkedLocalAttentionSpec": "chunked local attention (Llama-4-style)",
+    "MLAAttentionSpec": "MLA (latent KV, DeepSeek-style)",
+    "CrossAttentionSpec": "cross-attention (encoder-decoder models)",
+    "EncoderOnlyAttentionSpec": "encoder-only attention",
+}
 
 
 def groups_for_vllm(kv_cache_config) -> list[KVGroup]:
@@ -158,24 +186,32 @@ def groups_for_vllm(kv_cache_config) -> list[KVGroup]:
     it as the full-attention memory it then is). Everything else is refused here, naming the model feature."""
     groups = kv_cache_config.kv_cache_groups
     if not groups:
-        raise ValueError("kvmesh vLLM connector: the model has no KV cache groups (attention-free models are "
-                         "not supported)")
+        raise ValueError(
+            "kvmesh vLLM connector: the model has no KV cache groups (attention-free models are not supported)"
+        )
     out = []
     for i, g in enumerate(groups):
         kv = g.kv_cache_spec
         kind = type(kv).__name__
         if kind in _UNSUPPORTED:
-            raise ValueError(f"kvmesh vLLM connector: the model has {_UNSUPPORTED[kind]} (KV cache group {i}, "
-                             f"{kind}), which kvmesh does not support")
+            raise ValueError(
+                f"kvmesh vLLM connector: the model has {_UNSUPPORTED[kind]} (KV cache group {i}, "
+                f"{kind}), which kvmesh does not support"
+            )
         if kind not in ("FullAttentionSpec", "SlidingWindowSpec"):
-            raise ValueError(f"kvmesh vLLM connector: KV cache group {i} is a {kind}; only full attention and "
-                             f"sliding-window attention are supported")
+            raise ValueError(
+                f"kvmesh vLLM connector: KV cache group {i} is a {kind}; only full attention and "
+                f"sliding-window attention are supported"
+            )
         if getattr(kv, "head_size_v", kv.head_size) != kv.head_size:
-            raise ValueError("kvmesh vLLM connector: K and V head sizes differ (MLA-like); kvmesh chunks hold "
-                             "equal K/V")
+            raise ValueError(
+                "kvmesh vLLM connector: K and V head sizes differ (MLA-like); kvmesh chunks hold equal K/V"
+            )
         if getattr(kv, "extra_retained_tokens", 0):
-            raise ValueError("kvmesh vLLM connector: sliding-window layers that retain extra tokens (multi-module "
-                             "speculative decoding) are not supported")
+            raise ValueError(
+                "kvmesh vLLM connector: sliding-window layers that retain extra tokens (multi-module "
+                "speculative decoding) are not supported"
+            )
         layers = tuple(layer_index(n) for n in g.layer_names)
         if kind == "SlidingWindowSpec":
             out.append(KVGroup(i, "sliding_window", int(kv.sliding_window), layers))
@@ -184,16 +220,28 @@ def groups_for_vllm(kv_cache_config) -> list[KVGroup]:
     first = groups[0].kv_cache_spec
     for i, g in enumerate(groups):
         kv = g.kv_cache_spec
-        if (kv.block_size, kv.num_kv_heads, kv.head_size, kv.dtype) != (first.block_size, first.num_kv_heads,
-                                                                        first.head_size, first.dtype):
-            raise ValueError(f"kvmesh vLLM connector: KV cache group {i} has another block size, head count, head "
-                             f"size or dtype than group 0; kvmesh needs them alike across groups")
+        if (kv.block_size, kv.num_kv_heads, kv.head_size, kv.dtype) != (
+            first.block_size,
+            first.num_kv_heads,
+            first.head_size,
+            first.dtype,
+        ):
+            raise ValueError(
+                f"kvmesh vLLM connector: KV cache group {i} has another block size, head count, head "
+                f"size or dtype than group 0; kvmesh needs them alike across groups"
+            )
     return out
 
 
-def specs_for_vllm(vllm_config, kv_cache_config, options: ConnectorOptions, tp_rank: int = 0,
-                   lora_id: str | None = None, model_id: str | None = None,
-                   kv_format: KVFormat | None = None) -> tuple[KVSpec, ...]:
+def specs_for_vllm(
+    vllm_config,
+    kv_cache_config,
+    options: ConnectorOptions,
+    tp_rank: int = 0,
+    lora_id: str | None = None,
+    model_id: str | None = None,
+    kv_format: KVFormat | None = None,
+) -> tuple[KVSpec, ...]:
     """The specs of the KV this engine (TP shard `tp_rank`) caches, one per KV cache group (a model with one
     full-attention group: one plain spec): heads per shard, KV dtype, chunk tokens a multiple of the block size,
     `kv_format` (None when the options say "neutral"). `model_id`, when given, skips deriving it again."""
@@ -204,29 +252,44 @@ def specs_for_vllm(vllm_config, kv_cache_config, options: ConnectorOptions, tp_r
         raise ValueError("kvmesh vLLM connector: pipeline parallelism is not supported")
     cache = vllm_config.cache_config
     if getattr(cache, "calculate_kv_scales", False):
-        raise ValueError("kvmesh vLLM connector: calculate_kv_scales makes each engine quantize KV with its own "
-                         "scales, so engines could not share it")
+        raise ValueError(
+            "kvmesh vLLM connector: calculate_kv_scales makes each engine quantize KV with its own "
+            "scales, so engines could not share it"
+        )
     block = kv.block_size
     chunk = options.chunk_tokens or -(-DEFAULT_CHUNK_TOKENS // block) * block
     if chunk % block:
-        raise ValueError(f"kvmesh vLLM connector: chunk_tokens={chunk} must be a multiple of vLLM's block size "
-                         f"{block}")
+        raise ValueError(f"kvmesh vLLM connector: chunk_tokens={chunk} must be a multiple of vLLM's block size {block}")
     kv_dtype = _dtype_name(kv.dtype)
     if model_id is None:
         model_id = model_identity(vllm_config.model_config, options)
         compute = _dtype_name(vllm_config.model_config.dtype)
         if compute != kv_dtype:  # the same weights give other KV values in another compute dtype
             model_id += f"#compute={compute}"
-    base = KVSpec(model_id=model_id, num_layers=len(groups[0].layers), num_kv_heads=kv.num_kv_heads,
-                  head_dim=kv.head_size, dtype=kv_dtype, chunk_tokens=chunk, tp_rank=tp_rank,
-                  tp_size=getattr(parallel, "tensor_parallel_size", 1), lora_id=lora_id,
-                  kv_format=kv_format if options.kv_format == "engine" else None)
+    base = KVSpec(
+        model_id=model_id,
+        num_layers=len(groups[0].layers),
+        num_kv_heads=kv.num_kv_heads,
+        head_dim=kv.head_size,
+        dtype=kv_dtype,
+        chunk_tokens=chunk,
+        tp_rank=tp_rank,
+        tp_size=getattr(parallel, "tensor_parallel_size", 1),
+        lora_id=lora_id,
+        kv_format=kv_format if options.kv_format == "engine" else None,
+    )
     return group_specs(base, groups)
 
 
-def spec_for_vllm(vllm_config, kv_cache_config, options: ConnectorOptions, tp_rank: int = 0,
-                  lora_id: str | None = None, model_id: str | None = None,
-                  kv_format: KVFormat | None = None) -> KVSpec:
+def spec_for_vllm(
+    vllm_config,
+    kv_cache_config,
+    options: ConnectorOptions,
+    tp_rank: int = 0,
+    lora_id: str | None = None,
+    model_id: str | None = None,
+    kv_format: KVFormat | None = None,
+) -> KVSpec:
     """`specs_for_vllm` for a model with one KV cache group."""
     specs = specs_for_vllm(vllm_config, kv_cache_config, options, tp_rank, lora_id, model_id, kv_format)
     if len(specs) != 1:

@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from kvmesh.integrations.vllm_meta import LoadJob, SaveJob, StepMeta, WorkerReport
-from kvmesh.match import Match
 from kvmesh.integrations.vllm_options import ConnectorOptions, lora_identity, request_salt
+from kvmesh.match import Match
 from kvmesh.tiers import TIER_DISK
 
 log = logging.getLogger("kvmesh.vllm")
@@ -70,13 +70,13 @@ MAX_LOOKUP_ROUNDS = 8  # groups cutting each other's hit short: give up (no hit)
 
 
 class SchedulerSide:
-    def __init__(self, specs, connect, options: ConnectorOptions, block_size: int, kv_role: str,
-                 background_copy: bool) -> None:
+    def __init__(
+        self, specs, connect, options: ConnectorOptions, block_size: int, kv_role: str, background_copy: bool
+    ) -> None:
         self.specs = tuple(specs)  # one per KV cache group, in vLLM's group order
         spec = self.spec = self.specs[0]
         # lookup order: full-attention groups first (their hits are prefixes), then sliding windows, widest first
-        self.order = sorted(range(len(self.specs)), key=lambda g: (self.specs[g].window != 0,
-                                                                    -self.specs[g].window, g))
+        self.order = sorted(range(len(self.specs)), key=lambda g: (self.specs[g].window != 0, -self.specs[g].window, g))
         self.background_copy = background_copy  # saves read blocks after the step: keep finished ones for them
         self.options = options
         self.block_size = block_size
@@ -109,13 +109,22 @@ class SchedulerSide:
     def _track(self, request) -> _Request:
         st = self._reqs.get(request.request_id)
         if st is None:
-            skip = ("multimodal" if getattr(request, "mm_features", None)
-                    else "prompt_embeds" if getattr(request, "prompt_embeds", None) is not None
-                    or getattr(request, "prompt_is_token_ids", None) is not None
-                    or request.prompt_token_ids is None else "")
+            skip = (
+                "multimodal"
+                if getattr(request, "mm_features", None)
+                else "prompt_embeds"
+                if getattr(request, "prompt_embeds", None) is not None
+                or getattr(request, "prompt_is_token_ids", None) is not None
+                or request.prompt_token_ids is None
+                else ""
+            )
             toks = np.asarray(request.prompt_token_ids or [], dtype="<u4")
-            st = _Request(toks, request_salt(self.options.cache_salt, getattr(request, "cache_salt", None)),
-                          lora_identity(getattr(request, "lora_request", None), self._fingerprints), skip)
+            st = _Request(
+                toks,
+                request_salt(self.options.cache_salt, getattr(request, "cache_salt", None)),
+                lora_identity(getattr(request, "lora_request", None), self._fingerprints),
+                skip,
+            )
             if skip:
                 self.counts[f"vllm_skip_{skip}"] += 1
             self._reqs[request.request_id] = st
@@ -155,8 +164,7 @@ class SchedulerSide:
             if first_lo + plan.end < end:  # the cost model says recomputing the rest is cheaper
                 self.counts["vllm_cost_model_cut_chunks"] += end - first_lo - plan.end
                 end = self._converge(st, first, first_lo + plan.end, found, plan_box)
-                lo0 = first if not self.specs[g0].window else max(first,
-                                                                  self.specs[g0].window_start_chunk(end * c))
+                lo0 = first if not self.specs[g0].window else max(first, self.specs[g0].window_start_chunk(end * c))
         if self.counts["directory_errors"] > errors:
             self._directory_down_until = time.monotonic() + DIRECTORY_RETRY_S
         self.counts["vllm_lookup_tokens"] += n - num_computed_tokens
@@ -199,8 +207,9 @@ class SchedulerSide:
         plan = None
         if lo == 0 and not self.specs[g].window and not plan_box:
             # from the prompt's start: also detects another spec of this model holding it ("spec_mismatch")
-            match = client.lookup(st.tokens, st.salt, max_chunks=end, allow_split=False,
-                                  cost_model=self.options.cost_model)
+            match = client.lookup(
+                st.tokens, st.salt, max_chunks=end, allow_split=False, cost_model=self.options.cost_model
+            )
             plan = match.plan
         else:
             hashes = self._hashes(st, g)
@@ -263,8 +272,7 @@ class SchedulerSide:
             lo, hi = local // self.block_size, (local + num_external_tokens) // self.block_size
             sync = self.options.load_mode == "sync"
             for g, ids in enumerate(block_ids):
-                self._loads.append(LoadJob(request.request_id, b"", 0, 0, list(ids[:hi]), lo, hi, None, None,
-                                           sync, g))
+                self._loads.append(LoadJob(request.request_id, b"", 0, 0, list(ids[:hi]), lo, hi, None, None, sync, g))
             if st is not None:
                 st.loading = not sync
 
@@ -280,15 +288,27 @@ class SchedulerSide:
             while null_block is not None and live < fill_end and ids[live] == null_block:
                 live += 1
             first = min(live // m, end)
-            job = LoadJob(request.request_id, st.tokens[:end * self.chunk].tobytes(), first, end,
-                          list(ids[first * m:first * m + max(fill_end - first * m, 0)]),
-                          skip_blocks=live - first * m, fill_blocks=fill_end - first * m, salt=st.salt,
-                          lora_id=st.lora_id, sync=sync, group=g)
+            job = LoadJob(
+                request.request_id,
+                st.tokens[: end * self.chunk].tobytes(),
+                first,
+                end,
+                list(ids[first * m : first * m + max(fill_end - first * m, 0)]),
+                skip_blocks=live - first * m,
+                fill_blocks=fill_end - first * m,
+                salt=st.salt,
+                lora_id=st.lora_id,
+                sync=sync,
+                group=g,
+            )
             self._loads.append(job)
         st.loading = not sync
         reused = self.sources(request, num_external_tokens)
-        self.client(st.lora_id).record_request(reused.get("host", 0), reused.get("p2p", 0) + reused.get("disk", 0),
-                                               max(0, len(st.tokens) - local - num_external_tokens))
+        self.client(st.lora_id).record_request(
+            reused.get("host", 0),
+            reused.get("p2p", 0) + reused.get("disk", 0),
+            max(0, len(st.tokens) - local - num_external_tokens),
+        )
 
     def build_step(self, so) -> StepMeta:
         meta = StepMeta(loads=self._loads, preempted=set(getattr(so, "preempted_req_ids", None) or ()))
@@ -300,7 +320,7 @@ class SchedulerSide:
             before[req_id] = cached.num_computed_tokens[i]
         scheduled = so.num_scheduled_tokens
         if len(scheduled) == 1:  # one prompt computed from its start and nothing else: a recompute's cost
-            (req_id, n), = scheduled.items()
+            ((req_id, n),) = scheduled.items()
             st = self._reqs.get(req_id)
             # (suffix prefills after a load are not observed: fitted on those alone, the model would price a
             # whole prompt like its suffix and refuse every load)
@@ -323,12 +343,13 @@ class SchedulerSide:
                 self.counts["vllm_save_no_blocks"] += 1
                 continue
             m = self.per_chunk
-            tokens = st.tokens[:done * self.chunk].tobytes()
+            tokens = st.tokens[: done * self.chunk].tobytes()
             for g, spec in enumerate(self.specs):
                 lo = max(st.saved, self._window_save_start(spec, len(st.tokens)))
                 if lo < done:
-                    meta.saves.append(SaveJob(req_id, tokens, lo, done, list(ids[g][lo * m:done * m]), st.salt,
-                                              st.lora_id, g))
+                    meta.saves.append(
+                        SaveJob(req_id, tokens, lo, done, list(ids[g][lo * m : done * m]), st.salt, st.lora_id, g)
+                    )
             st.saved = done
             st.had_save = st.had_save or self.background_copy
         return meta

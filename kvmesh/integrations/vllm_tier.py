@@ -62,8 +62,17 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadingEvent, OffloadKey, ReqContext,
-                                     RequestOffloadingContext, ScheduleEndContext, get_offload_group_idx)
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    get_offload_group_idx,
+)
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -77,9 +86,16 @@ TIER_FORMAT_VERSION = 1
 _LOAD, _LOOKUP, _STORE = 0, 1, 2  # the tier thread's priorities: promotions first, stores last
 
 OPTIONS: dict[str, Any] = {  # name -> what isinstance() accepts
-           "ray_address": str, "ray_node_id": str, "redis_url": str, "model_id": str, "model_revision": str,
-           "fetch_timeout_s": (int, float), "verdict_ttl_s": (int, float), "enable_kv_events": bool,
-           "locality": str}
+    "ray_address": str,
+    "ray_node_id": str,
+    "redis_url": str,
+    "model_id": str,
+    "model_revision": str,
+    "fetch_timeout_s": (int, float),
+    "verdict_ttl_s": (int, float),
+    "enable_kv_events": bool,
+    "locality": str,
+}
 
 
 def parse_tier_options(options: dict) -> dict:
@@ -91,8 +107,12 @@ def parse_tier_options(options: dict) -> dict:
     out = {}
     for name, value in options.items():
         kind = OPTIONS[name]
-        bad = (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))
-               or (kind is str and not value) or (kind == (int, float) and value <= 0))
+        bad = (
+            not isinstance(value, kind)
+            or (kind is not bool and isinstance(value, bool))
+            or (kind is str and not value)
+            or (kind == (int, float) and value <= 0)
+        )
         if bad:
             raise ValueError(f"kvmesh vLLM tier: option {name!r} has a bad value {value!r}")
         out[name] = value
@@ -106,10 +126,12 @@ def offload_format(config, row_bytes: int) -> KVFormat:
     cache, par = config.cache, config.parallel
     groups = ",".join(f"{g.group_id}:{g.tokens_per_block}x{len(g.layer_names)}" for g in config.groups)
     pages = "canonical" if getattr(config, "canonical_layout", False) else "direct"
-    layout = (f"offload:{config.kv_cache_layout or 'default'}:{pages}"
-              f"{':replicated' if getattr(config, 'replicated_layout', False) else ''}:hash{cache.tokens_per_hash}"
-              f":bpc{cache.blocks_per_chunk}:groups[{groups}]:row{row_bytes}:pp{par.pp_size}:pcp{par.pcp_size}"
-              f":dcp{par.dcp_size}:ws{par.world_size}")
+    layout = (
+        f"offload:{config.kv_cache_layout or 'default'}:{pages}"
+        f"{':replicated' if getattr(config, 'replicated_layout', False) else ''}:hash{cache.tokens_per_hash}"
+        f":bpc{cache.blocks_per_chunk}:groups[{groups}]:row{row_bytes}:pp{par.pp_size}:pcp{par.pcp_size}"
+        f":dcp{par.dcp_size}:ws{par.world_size}"
+    )
     return KVFormat("vllm-offload", layout, TIER_FORMAT_VERSION)
 
 
@@ -125,21 +147,30 @@ def tier_spec(config, row_bytes: int, options: dict) -> KVSpec:
     elif "model_revision" in options:
         model_id = f"{name}@{options['model_revision']}"
     else:
-        raise ValueError(f"kvmesh vLLM tier: {name!r} is not a local directory, so kvmesh cannot fingerprint its "
-                         f"weights; set the tier's model_revision (or model_id)")
-    return KVSpec(model_id=f"{model_id}#kv={config.model.dtype}", num_layers=1, num_kv_heads=1,
-                  head_dim=row_bytes // 2, dtype="uint8", chunk_tokens=1, tp_size=config.parallel.tp_size,
-                  kv_format=offload_format(config, row_bytes))
+        raise ValueError(
+            f"kvmesh vLLM tier: {name!r} is not a local directory, so kvmesh cannot fingerprint its "
+            f"weights; set the tier's model_revision (or model_id)"
+        )
+    return KVSpec(
+        model_id=f"{model_id}#kv={config.model.dtype}",
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=row_bytes // 2,
+        dtype="uint8",
+        chunk_tokens=1,
+        tp_size=config.parallel.tp_size,
+        kv_format=offload_format(config, row_bytes),
+    )
 
 
 def directory_group(spec: KVSpec) -> bytes:
-    return hashlib.blake2b(root_hash(spec.namespace) + b"vllm-tier", digest_size=HASH_BYTES,
-                           person=b"kvmesh.vtgrp").digest()
+    return hashlib.blake2b(
+        root_hash(spec.namespace) + b"vllm-tier", digest_size=HASH_BYTES, person=b"kvmesh.vtgrp"
+    ).digest()
 
 
 def tier_keys(group: bytes, keys: Iterable[OffloadKey]) -> list[bytes]:
-    return [hashlib.blake2b(group + bytes(k), digest_size=HASH_BYTES, person=b"kvmesh.vtier").digest()
-            for k in keys]
+    return [hashlib.blake2b(group + bytes(k), digest_size=HASH_BYTES, person=b"kvmesh.vtier").digest() for k in keys]
 
 
 @dataclass(slots=True)
@@ -157,8 +188,9 @@ class KVMeshTier(SecondaryTierManager):
     medium: ClassVar[Medium] = Medium.CPU
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P  # this node's tiers or a peer's
 
-    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, backpressure_detector=None,
-                 **options: Any) -> None:
+    def __init__(
+        self, offloading_spec, primary_kv_view: memoryview, tier_type: str, backpressure_detector=None, **options: Any
+    ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.options = parse_tier_options(options)
         if "locality" in self.options:
@@ -181,8 +213,7 @@ class KVMeshTier(SecondaryTierManager):
         self.client = connect(self.spec, self.options.get("redis_url"), node_id=node_id, **extra)
         self.counts = self.client.counts
         events_on = offloading_spec.kv_events_config.enable_kv_cache_events
-        self._events: list[OffloadingEvent] | None = [] if self.options.get("enable_kv_events") and events_on \
-            else None
+        self._events: list[OffloadingEvent] | None = [] if self.options.get("enable_kv_events") and events_on else None
         # scheduler-thread state
         self._verdicts: dict[OffloadKey, _Verdict] = {}
         self._req_keys: dict[str, set[OffloadKey]] = {}
@@ -300,8 +331,15 @@ class KVMeshTier(SecondaryTierManager):
                     if v is not None and v.present is False:
                         v.present, v.at = True, now
                 if self._events is not None:
-                    self._events.append(OffloadingEvent(keys=stored, medium=self.medium, removed=False,
-                                                        locality=self.locality, ownership=self.tier_type))
+                    self._events.append(
+                        OffloadingEvent(
+                            keys=stored,
+                            medium=self.medium,
+                            removed=False,
+                            locality=self.locality,
+                            ownership=self.tier_type,
+                        )
+                    )
             jobs.append(result)
 
     # -- the tier thread --------------------------------------------------------------------------------------
@@ -350,8 +388,12 @@ class KVMeshTier(SecondaryTierManager):
             self.counts["vllm_tier_errors_store"] += 1
             log.warning("kvmesh vLLM tier: store of %d chunks failed: %s", len(keys), e)
         self.counts["vllm_tier_stored_chunks"] += sent
-        self._done.put(("job", JobResult(job_id, ok, transfer_time=time.monotonic() - t0,
-                                         transfer_bytes=sent * self.block_size_bytes)))
+        self._done.put(
+            (
+                "job",
+                JobResult(job_id, ok, transfer_time=time.monotonic() - t0, transfer_bytes=sent * self.block_size_bytes),
+            )
+        )
 
     def _run_load(self, job_id: int, keys: list[OffloadKey], chunk_ids: list[int]) -> None:
         t0 = time.monotonic()
@@ -359,8 +401,9 @@ class KVMeshTier(SecondaryTierManager):
         try:
             match = self.client.lookup_keys(self.group, tier_keys(self.group, keys))
             if match.num_chunks:
-                kv = self.client.fetch(match, out=self.client.scratch(match.num_chunks),
-                                       deadline_s=self.options.get("fetch_timeout_s"))
+                kv = self.client.fetch(
+                    match, out=self.client.scratch(match.num_chunks), deadline_s=self.options.get("fetch_timeout_s")
+                )
                 got = kv.shape[2]
                 half = self.block_size_bytes // 2
                 for i in range(got):  # row = K half ‖ V half of the opaque chunk (see tier_spec)
@@ -373,7 +416,15 @@ class KVMeshTier(SecondaryTierManager):
         self.counts["vllm_tier_loaded_chunks"] += got
         if got < len(keys):
             self.counts["vllm_tier_load_missing_chunks"] += len(keys) - got
-        self._done.put(("job", JobResult(job_id, got == len(keys),
-                                         successful_keys=tuple(keys[:got]) if 0 < got < len(keys) else None,
-                                         transfer_time=time.monotonic() - t0,
-                                         transfer_bytes=got * self.block_size_bytes)))
+        self._done.put(
+            (
+                "job",
+                JobResult(
+                    job_id,
+                    got == len(keys),
+                    successful_keys=tuple(keys[:got]) if 0 < got < len(keys) else None,
+                    transfer_time=time.monotonic() - t0,
+                    transfer_bytes=got * self.block_size_bytes,
+                ),
+            )
+        )

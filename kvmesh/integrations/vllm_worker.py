@@ -47,9 +47,11 @@ def _split_kv_view(name: str, t: torch.Tensor, s, bs: int) -> torch.Tensor:
     piece = (bs, s.num_kv_heads, s.head_dim)
     fa, fi = t.shape[0] == 2 and tuple(t.shape[2:]) == piece, t.shape[1] == 2 and tuple(t.shape[2:]) == piece
     if t.dtype != s.torch_dtype or not (fa or fi):
-        raise ValueError(f"kvmesh vLLM connector: layer {name} has a {t.dtype} cache of shape {list(t.shape)}; "
-                         f"expected [2, blocks, {bs}, {s.num_kv_heads}, {s.head_dim}] or "
-                         f"[blocks, 2, {bs}, {s.num_kv_heads}, {s.head_dim}] {s.dtype}")
+        raise ValueError(
+            f"kvmesh vLLM connector: layer {name} has a {t.dtype} cache of shape {list(t.shape)}; "
+            f"expected [2, blocks, {bs}, {s.num_kv_heads}, {s.head_dim}] or "
+            f"[blocks, 2, {bs}, {s.num_kv_heads}, {s.head_dim}] {s.dtype}"
+        )
     if fa and fi:
         raise ValueError(f"kvmesh vLLM connector: layer {name} has 2 blocks: K/V-first or block-first is ambiguous")
     return t.transpose(0, 1) if fa else t
@@ -81,8 +83,16 @@ class _LayerDone(threading.Event):
 class WorkerSide:
     """`specs[g]` and `layer_names[g]` are KV cache group g's spec and attention layers (vLLM's group order)."""
 
-    def __init__(self, specs, connect, options, block_size: int, kv_role: str, layer_names: list[list[str]],
-                 background_copy: bool) -> None:
+    def __init__(
+        self,
+        specs,
+        connect,
+        options,
+        block_size: int,
+        kv_role: str,
+        layer_names: list[list[str]],
+        background_copy: bool,
+    ) -> None:
         self.specs = tuple(specs)
         spec = self.spec = self.specs[0]
         self.options, self.block_size = options, block_size
@@ -116,8 +126,9 @@ class WorkerSide:
         self.report = WorkerReport()
         self.loader = Loader(self)
         self._saves_q: queue.Queue = queue.Queue()
-        self._saver = threading.Thread(target=self._run, args=(self._saves_q, self._run_save),
-                                       name="kvmesh-vllm-save", daemon=True)
+        self._saver = threading.Thread(
+            target=self._run, args=(self._saves_q, self._run_save), name="kvmesh-vllm-save", daemon=True
+        )
         self._saver.start()
 
     def client(self, lora_id: str | None, group: int = 0):
@@ -145,17 +156,22 @@ class WorkerSide:
         for g, names in enumerate(self._layer_names):
             names = sorted((n for n in names if n in kv_caches), key=extract_layer_index)
             if len(names) != self.specs[g].num_layers:
-                raise ValueError(f"kvmesh vLLM connector: {len(names)} of the {self.specs[g].num_layers} attention "
-                                 f"layers of KV cache group {g} have a KV cache")
+                raise ValueError(
+                    f"kvmesh vLLM connector: {len(names)} of the {self.specs[g].num_layers} attention "
+                    f"layers of KV cache group {g} have a KV cache"
+                )
             for n in names:
                 t = kv_caches[n]
                 if t.dim() == 5:  # vLLM before its KVCacheLayout descriptor: K and V apart (see kvmesh.paged)
                     continue  # checked by _split_kv_view
                 if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.dtype != s.torch_dtype:
-                    raise ValueError(f"kvmesh vLLM connector: layer {n} has a {t.dtype} cache of shape "
-                                     f"{list(t.shape)}; expected [blocks, {', '.join(map(str, shape))}] {s.dtype}")
-            group_layers.append([_split_kv_view(n, kv_caches[n], s, bs) if kv_caches[n].dim() == 5 else kv_caches[n]
-                                 for n in names])
+                    raise ValueError(
+                        f"kvmesh vLLM connector: layer {n} has a {t.dtype} cache of shape "
+                        f"{list(t.shape)}; expected [blocks, {', '.join(map(str, shape))}] {s.dtype}"
+                    )
+            group_layers.append(
+                [_split_kv_view(n, kv_caches[n], s, bs) if kv_caches[n].dim() == 5 else kv_caches[n] for n in names]
+            )
             order += [(extract_layer_index(n), n, g, i) for i, n in enumerate(names)]
         order.sort()
         layers = [group_layers[g][i] for _, _, g, i in order]
@@ -179,8 +195,7 @@ class WorkerSide:
         self._step_t0 = time.perf_counter()
         if meta.preempted:
             with self.mu:
-                if not self.mu.wait_for(lambda: all(self._pending_saves[r] <= 0 for r in meta.preempted),
-                                         timeout=120):
+                if not self.mu.wait_for(lambda: all(self._pending_saves[r] <= 0 for r in meta.preempted), timeout=120):
                     log.error("kvmesh: saves of preempted requests still read their blocks after 120 s")
 
     def start_loads(self, meta: StepMeta) -> None:
@@ -215,7 +230,7 @@ class WorkerSide:
         batch = self._sync
         i = self.layer_of.get(name)
         if batch is not None and i is not None:
-            self._wait_batch(batch, batch.layer_done[i:i + 1])
+            self._wait_batch(batch, batch.layer_done[i : i + 1])
             batch.layer_done[i].order_after()  # the forward's stream waits for this layer's writes alone
 
     def end_step(self, meta: StepMeta) -> None:
@@ -262,8 +277,9 @@ class WorkerSide:
             self._saves_q.put((job, None, event))
 
     def _wait_batch(self, batch: SyncBatch, events: list[threading.Event]) -> None:
-        limit = time.monotonic() + (self.options.fetch_timeout_s or self.client(None).config.fetch_timeout_s) \
-            + WAIT_SLACK_S
+        limit = (
+            time.monotonic() + (self.options.fetch_timeout_s or self.client(None).config.fetch_timeout_s) + WAIT_SLACK_S
+        )
         for ev in events:
             if not ev.wait(max(0.0, limit - time.monotonic())):
                 with batch.lock:  # from here on the loader writes nothing: the blocks are vLLM's again
@@ -324,7 +340,7 @@ class WorkerSide:
         """Report a load: its failed blocks (all it promised when `blocks` is None) and, for an asynchronous one,
         its end, in one step (vLLM requires the errors no later than the end)."""
         job = ld.job
-        failed = list(job.block_ids[job.skip_blocks:job.fill_blocks]) if blocks is None else blocks
+        failed = list(job.block_ids[job.skip_blocks : job.fill_blocks]) if blocks is None else blocks
         if async_done and self.layers and self.layers[0].is_cuda:
             # the loader's writes are queued on its thread's stream: vLLM may run the request's next forward on
             # any stream once it hears of the end, so they must have landed by then
@@ -348,8 +364,9 @@ class WorkerSide:
         n = job.end_chunk - job.first_chunk
         spec = self.specs[job.group]
         staging = torch.empty((n, *spec.chunk_shape), dtype=spec.torch_dtype, device=self.layers[0].device)
-        return gather_chunks(self.group_layers[job.group], self.codec, torch.tensor(job.block_ids, dtype=torch.long),
-                             staging)
+        return gather_chunks(
+            self.group_layers[job.group], self.codec, torch.tensor(job.block_ids, dtype=torch.long), staging
+        )
 
     def _run_save(self, item) -> None:
         """(job, staging, event): store `staging` ([n, *chunk_shape] on the CPU), or first gather it from the
@@ -379,7 +396,7 @@ class WorkerSide:
         client = self.client(job.lora_id, job.group)
         hashes = client.hashes(np.frombuffer(job.tokens, dtype="<u4"), job.salt)
         with self.client_lock:
-            sent = client.store_keys(hashes[0], hashes[job.first_chunk:job.end_chunk], list(staging))
+            sent = client.store_keys(hashes[0], hashes[job.first_chunk : job.end_chunk], list(staging))
         self.count("vllm_saved_chunks", sent)
         if len(self.specs) > 1:
             self.count(f"vllm_saved_chunks_group{job.group}", sent)

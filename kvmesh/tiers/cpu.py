@@ -125,7 +125,7 @@ class CpuTier(SlotPool):
 
     def buffer(self, slot: int) -> memoryview:
         off = slot * self.slot_bytes
-        return self._view[off:off + self.slot_bytes]
+        return self._view[off : off + self.slot_bytes]
 
     def chunk_view(self, slot: int) -> memoryview:
         return self.buffer(slot)[: self._slots[slot].nbytes]
@@ -133,8 +133,9 @@ class CpuTier(SlotPool):
     def checksum_of(self, slot: int) -> int:
         return checksum(self.chunk_view(slot))
 
-    def prepare_store(self, key: bytes, group: bytes, nbytes: int, on_evict=None,
-                      protect: set[bytes] | frozenset = frozenset()) -> StoreTicket | None:
+    def prepare_store(
+        self, key: bytes, group: bytes, nbytes: int, on_evict=None, protect: set[bytes] | frozenset = frozenset()
+    ) -> StoreTicket | None:
         ticket = super().prepare_store(key, group, nbytes, on_evict, protect)
         if ticket is not None:  # new bytes: a device checksum being computed over the old ones is void
             self._generation[ticket.slot] += 1
@@ -168,8 +169,13 @@ class CpuTier(SlotPool):
 
     def finish_devsum(self, work: DevsumWork, devsum: int | None) -> None:
         s = self._slots[work.slot]
-        if devsum is not None and s.key == work.key and s.ready and not s.doomed and \
-                self._generation[work.slot] == work.generation:
+        if (
+            devsum is not None
+            and s.key == work.key
+            and s.ready
+            and not s.doomed
+            and self._generation[work.slot] == work.generation
+        ):
             s.devsum = devsum
 
     def devsum_pending(self) -> int:
@@ -237,7 +243,7 @@ class SlabReader:
         return self._locked_at is not None
 
     def view(self, offset: int, nbytes: int) -> memoryview:
-        return self._view[offset:offset + nbytes]
+        return self._view[offset : offset + nbytes]
 
     def close(self) -> None:
         with self._shared_lock:

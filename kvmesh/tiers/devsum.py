@@ -101,8 +101,9 @@ def device_checksums(bufs: Sequence[torch.Tensor], coefficients: Coefficients | 
     return torch.stack([device_checksum(b, coefficients) for b in bufs])
 
 
-def host_device_checksum(buf: torch.Tensor, coefficients: Coefficients | None = None,
-                         block_words: int = 1 << 16) -> int:
+def host_device_checksum(
+    buf: torch.Tensor, coefficients: Coefficients | None = None, block_words: int = 1 << 16
+) -> int:
     """S of the bytes of CPU tensor `buf`, bit for bit what `device_checksum` returns, computed a block of words at
     a time into one reused product buffer that stays in cache (several times faster on the CPU than one product
     the size of the chunk, and no chunk-sized temporary)."""
@@ -138,8 +139,9 @@ class Verify:
     """One entry of `LayerwiseLoad.checks`: `result()` waits for `sums` (queued after `event` on a side stream)
     and says whether every one equals `expected` (the checksums the tier recorded)."""
 
-    def __init__(self, sums: torch.Tensor, expected: Sequence[int], event=None,
-                 positions: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, sums: torch.Tensor, expected: Sequence[int], event=None, positions: Sequence[int] | None = None
+    ) -> None:
         self.sums, self.expected, self.event = sums, [int(x) for x in expected], event
         self.positions = None if positions is None else list(positions)  # sums[positions[j]] is expected[j]'s
         self._ok: list[bool] | None = None
@@ -163,8 +165,9 @@ class Verify:
         return next((i for i, g in enumerate(ok) if not g), len(ok))
 
 
-def verify_on_side_stream(dsts: Sequence[torch.Tensor], expected: Sequence[int], after=None,
-                          coefficients: Coefficients | None = None) -> Verify:
+def verify_on_side_stream(
+    dsts: Sequence[torch.Tensor], expected: Sequence[int], after=None, coefficients: Coefficients | None = None
+) -> Verify:
     """Checksum `dsts` off the critical path: on CUDA, on a new side stream that first waits for `after` (a CUDA
     event, e.g. the end of the copies into `dsts`); on the CPU, at once. Returns the pending `Verify`."""
     if not dsts or not dsts[0].is_cuda:
@@ -184,8 +187,13 @@ def verify_on_side_stream(dsts: Sequence[torch.Tensor], expected: Sequence[int],
     return Verify(sums, expected, done)
 
 
-def verify_rows_by_layer(flat: torch.Tensor, rows: Sequence[int], expected: Sequence[int], events: Sequence,
-                         coefficients: Coefficients | None = None) -> Verify:
+def verify_rows_by_layer(
+    flat: torch.Tensor,
+    rows: Sequence[int],
+    expected: Sequence[int],
+    events: Sequence,
+    coefficients: Coefficients | None = None,
+) -> Verify:
     """Checksum rows `rows` of `flat` (a [n, chunk bytes] uint8 view of a `LayerwiseLoad`'s staging) against
     `expected`, off the critical path and overlapping the copies: on CUDA a side stream sums each layer group's
     bytes (the layers that share an event in `events`, one per layer) as soon as that group's copy has landed,
@@ -194,8 +202,13 @@ def verify_rows_by_layer(flat: torch.Tensor, rows: Sequence[int], expected: Sequ
     sum. Elsewhere (the CPU, groups not 4-byte aligned, no events) `verify_on_side_stream` over whole rows."""
     rows = list(rows)
     layers = len(events)
-    if not rows or not flat.is_cuda or layers == 0 or any(e is None for e in events) or \
-            flat.shape[1] % (4 * layers) != 0:
+    if (
+        not rows
+        or not flat.is_cuda
+        or layers == 0
+        or any(e is None for e in events)
+        or flat.shape[1] % (4 * layers) != 0
+    ):
         last = next((e for e in reversed(events) if e is not None), None)
         return verify_on_side_stream([flat[i] for i in rows], expected, last, coefficients)
     coefficients = coefficients or Coefficients()
@@ -216,7 +229,7 @@ def verify_rows_by_layer(flat: torch.Tensor, rows: Sequence[int], expected: Sequ
         for first, end, ev in groups:
             stream.wait_event(ev)
             a, b = first * layer_words, end * layer_words
-            words = span[:, 4 * a:4 * b].view(torch.int32)
+            words = span[:, 4 * a : 4 * b].view(torch.int32)
             acc += torch.mul(words, c[a:b]).sum(dim=1, dtype=torch.int64)
         done = torch.cuda.Event()
         done.record(stream)

@@ -72,8 +72,15 @@ class Recovered:
 class DiskTier(SlotPool):
     tier_id = TIER_DISK
 
-    def __init__(self, directory: str, num_slots: int, slot_bytes: int, direct_io: bool = True,
-                 lock_fd: int | None = None, read_threads: int = 4) -> None:
+    def __init__(
+        self,
+        directory: str,
+        num_slots: int,
+        slot_bytes: int,
+        direct_io: bool = True,
+        lock_fd: int | None = None,
+        read_threads: int = 4,
+    ) -> None:
         super().__init__(num_slots, slot_bytes)
         if read_threads < 1:
             raise ValueError(f"read_threads must be at least 1, got {read_threads}")
@@ -119,8 +126,9 @@ class DiskTier(SlotPool):
         return checksum(self.read_chunk(slot, rec.nbytes))
 
     # -- I/O ----------------------------------------------------------------------------------------------------
-    def write_chunk(self, slot: int, data, nbytes: int, key: bytes, group: bytes, chunk_checksum: int,
-                    namespace: bytes = b"\0" * 16) -> None:
+    def write_chunk(
+        self, slot: int, data, nbytes: int, key: bytes, group: bytes, chunk_checksum: int, namespace: bytes = b"\0" * 16
+    ) -> None:
         """Write a chunk and its commit record. `data` must be page-aligned memory of at least
         align(nbytes) bytes for O_DIRECT (CPU slab slots and `aligned_buffer()` are). Raises OSError."""
         if self.fail_writes_with is not None:
@@ -130,7 +138,7 @@ class DiskTier(SlotPool):
         hdr = bytearray(HEADER)
         body = _HDR.pack(MAGIC, FORMAT, 0, nbytes, chunk_checksum, self._sequence, key, group, namespace)
         hdr[: len(body)] = body
-        hdr[len(body): len(body) + 8] = _HDR_CRC.pack(xxhash.xxh3_64_intdigest(body))
+        hdr[len(body) : len(body) + 8] = _HDR_CRC.pack(xxhash.xxh3_64_intdigest(body))
         length = _align(nbytes)
         direct = self._dfd is not None and _is_aligned(data) and len(memoryview(data)) >= length
         fd = self._dfd if direct and self._dfd is not None else self._fd
@@ -194,7 +202,7 @@ class DiskTier(SlotPool):
             if len(raw) < _HDR.size + 8 or raw[:8] != MAGIC:
                 continue
             body = raw[: _HDR.size]
-            if _HDR_CRC.unpack(raw[_HDR.size:])[0] != xxhash.xxh3_64_intdigest(body):
+            if _HDR_CRC.unpack(raw[_HDR.size :])[0] != xxhash.xxh3_64_intdigest(body):
                 continue
             _m, fmt, _r, nbytes, csum, seq, key, group, _ns = _HDR.unpack(body)
             if fmt != FORMAT or not 0 < nbytes <= self.slot_bytes:
@@ -238,6 +246,7 @@ def claim_directory(root: str, node_id: str) -> tuple[str, int]:
                 return f.read().strip()
         except OSError:
             return ""
+
     names.sort(key=lambda n: (owner(n) != node_id, not os.path.exists(os.path.join(root, n, "chunks.slab"))))
     fresh = [n for n in (f"kvmesh-disk-{i:03d}" for i in range(len(names) + 64)) if n not in names]
     for name in names + fresh:

@@ -47,8 +47,9 @@ def _devices(device) -> list[torch.device]:
 class GpuTier(SlotPool):
     tier_id = TIER_GPU
 
-    def __init__(self, num_slots: int, slot_bytes: int,
-                 device: str | torch.device | Sequence[str | torch.device] = "cuda") -> None:
+    def __init__(
+        self, num_slots: int, slot_bytes: int, device: str | torch.device | Sequence[str | torch.device] = "cuda"
+    ) -> None:
         super().__init__(num_slots, slot_bytes)
         self.devices = _devices(device)
         if len(self.devices) > num_slots:
@@ -87,7 +88,7 @@ class GpuTier(SlotPool):
 
     def buffer(self, slot: int) -> torch.Tensor:
         k, off = self.locate(slot)
-        return self.pools[k][off:off + self.slot_bytes]
+        return self.pools[k][off : off + self.slot_bytes]
 
     def chunk_view(self, slot: int) -> torch.Tensor:
         return self.buffer(slot)[: self._slots[slot].nbytes]

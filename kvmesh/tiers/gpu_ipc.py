@@ -82,8 +82,13 @@ class _Memory:
 
     def __init__(self, rt: Cudart, ptr: int, nbytes: int, device_index: int, release: str) -> None:
         self.rt, self.ptr, self.nbytes, self.device_index, self.release = rt, ptr, nbytes, device_index, release
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 2, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 2,
+            "strides": None,
+        }
 
     def tensor(self) -> torch.Tensor:
         t = torch.as_tensor(self, device=torch.device("cuda", self.device_index))
@@ -127,8 +132,21 @@ class PoolExport:
     num_slots: int
 
     def pack(self) -> bytes:
-        return msgpack.packb([EXPORT_VERSION, self.node_id, self.incarnation, self.pool_id, self.device_uuid,
-                              self.pid, self.handle, self.nbytes, self.slot_bytes, self.first_slot, self.num_slots])
+        return msgpack.packb(
+            [
+                EXPORT_VERSION,
+                self.node_id,
+                self.incarnation,
+                self.pool_id,
+                self.device_uuid,
+                self.pid,
+                self.handle,
+                self.nbytes,
+                self.slot_bytes,
+                self.first_slot,
+                self.num_slots,
+            ]
+        )
 
     @classmethod
     def unpack(cls, data: bytes) -> PoolExport:
@@ -139,10 +157,13 @@ class PoolExport:
             e = cls(*row[1:11])
         except (ValueError, TypeError, msgpack.UnpackException) as err:
             raise ValueError(f"bad PoolExport: {err}") from None
-        if (not isinstance(e.handle, bytes) or len(e.handle) != 64 or not isinstance(e.pool_id, bytes)
-                or any(not isinstance(x, int) or x < 0 for x in (e.pid, e.nbytes, e.slot_bytes, e.first_slot,
-                                                                 e.num_slots))
-                or e.num_slots * e.slot_bytes > e.nbytes):
+        if (
+            not isinstance(e.handle, bytes)
+            or len(e.handle) != 64
+            or not isinstance(e.pool_id, bytes)
+            or any(not isinstance(x, int) or x < 0 for x in (e.pid, e.nbytes, e.slot_bytes, e.first_slot, e.num_slots))
+            or e.num_slots * e.slot_bytes > e.nbytes
+        ):
             raise ValueError("bad PoolExport: malformed fields")
         return e
 
@@ -189,11 +210,26 @@ class DevicePool:
             rt = cudart()
             h = IpcHandle()
             with rt.on_device(self.device.index, GpuIpcError):
-                rt.call("cudaIpcGetMemHandle", ctypes.byref(h), ctypes.c_void_p(self.tensor.data_ptr()),
-                        reason="ipc_unsupported", error=GpuIpcError)
+                rt.call(
+                    "cudaIpcGetMemHandle",
+                    ctypes.byref(h),
+                    ctypes.c_void_p(self.tensor.data_ptr()),
+                    reason="ipc_unsupported",
+                    error=GpuIpcError,
+                )
             self._handle = h.raw()
-        return PoolExport(node_id, incarnation, self.pool_id, device_uuid(self.device.index), os.getpid(),
-                          self._handle, self.nbytes, slot_bytes, first_slot, self.nbytes // slot_bytes)
+        return PoolExport(
+            node_id,
+            incarnation,
+            self.pool_id,
+            device_uuid(self.device.index),
+            os.getpid(),
+            self._handle,
+            self.nbytes,
+            slot_bytes,
+            first_slot,
+            self.nbytes // slot_bytes,
+        )
 
     def close(self) -> None:
         """Drop the pool: its memory is freed once no view of it is left (readers in this process included)."""
@@ -213,7 +249,7 @@ class MappedPool:
         n = self.export.slot_bytes if nbytes is None else nbytes
         if not 0 < n <= self.export.slot_bytes:
             raise ValueError(f"nbytes {n} does not fit a slot of {self.export.slot_bytes}")
-        return self.tensor[off:off + n]
+        return self.tensor[off : off + n]
 
 
 class PoolMapper:
@@ -254,8 +290,14 @@ class PoolMapper:
         ptr = ctypes.c_void_p()
         handle = IpcHandle.of(export.handle)
         with rt.on_device(index, GpuIpcError):
-            rt.call("cudaIpcOpenMemHandle", ctypes.byref(ptr), handle, _IPC_LAZY_ENABLE_PEER_ACCESS,
-                    reason="ipc_unsupported", error=GpuIpcError)
+            rt.call(
+                "cudaIpcOpenMemHandle",
+                ctypes.byref(ptr),
+                handle,
+                _IPC_LAZY_ENABLE_PEER_ACCESS,
+                reason="ipc_unsupported",
+                error=GpuIpcError,
+            )
         assert ptr.value, "cudaIpcOpenMemHandle succeeded"
         return MappedPool(export, _Memory(rt, ptr.value, export.nbytes, index, "cudaIpcCloseMemHandle").tensor())
 
@@ -345,11 +387,14 @@ def _adjacent_runs(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -
     runs, i = [], 0
     while i < len(srcs):
         j = i + 1
-        while (j < len(srcs) and srcs[j].untyped_storage().data_ptr() == srcs[i].untyped_storage().data_ptr()
-               and dsts[j].untyped_storage().data_ptr() == dsts[i].untyped_storage().data_ptr()
-               and srcs[j].data_ptr() == srcs[j - 1].data_ptr() + srcs[j - 1].numel()
-               and dsts[j].data_ptr() == dsts[j - 1].data_ptr() + dsts[j - 1].numel()
-               and srcs[j].numel() == srcs[i].numel()):
+        while (
+            j < len(srcs)
+            and srcs[j].untyped_storage().data_ptr() == srcs[i].untyped_storage().data_ptr()
+            and dsts[j].untyped_storage().data_ptr() == dsts[i].untyped_storage().data_ptr()
+            and srcs[j].data_ptr() == srcs[j - 1].data_ptr() + srcs[j - 1].numel()
+            and dsts[j].data_ptr() == dsts[j - 1].data_ptr() + dsts[j - 1].numel()
+            and srcs[j].numel() == srcs[i].numel()
+        ):
             j += 1
         runs.append((i, j - i))
         i = j
@@ -376,8 +421,15 @@ class DeviceRead:
         return self.check.good_prefix()
 
 
-def read_chunks(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], expected: Sequence[int], *,
-                peer: bool | None = None, stream=None, coefficients: Coefficients | None = None) -> DeviceRead:
+def read_chunks(
+    srcs: Sequence[torch.Tensor],
+    dsts: Sequence[torch.Tensor],
+    expected: Sequence[int],
+    *,
+    peer: bool | None = None,
+    stream=None,
+    coefficients: Coefficients | None = None,
+) -> DeviceRead:
     """dst[i] <- src[i] (uint8 views of equal size: slots of a mapped pool -> a fetch's device staging), queued on
     `stream` (default: a new side stream after the current stream's work); then the device checksums of the
     destinations, on another side stream, against `expected` (the tier's recorded sums). `peer`: None = peer to
@@ -412,8 +464,14 @@ class DeviceWrite:
         return self._sums.cpu().tolist()
 
 
-def write_chunks(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], *, peer: bool | None = None,
-                 stream=None, coefficients: Coefficients | None = None) -> DeviceWrite:
+def write_chunks(
+    srcs: Sequence[torch.Tensor],
+    dsts: Sequence[torch.Tensor],
+    *,
+    peer: bool | None = None,
+    stream=None,
+    coefficients: Coefficients | None = None,
+) -> DeviceWrite:
     """slot[i] <- src[i] (an engine's chunk bytes -> reserved GPU-tier slots of a mapped pool), then the device
     checksums of the slots, all on the copying stream (the store completes only once both are done)."""
     if len(srcs) != len(dsts):
@@ -439,9 +497,17 @@ def write_chunks(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], *, 
     return DeviceWrite(end, sums, path)
 
 
-def read_to_device(srcs: Sequence[torch.Tensor], spec, device, expected: Sequence[int], *,
-                   min_copy_bytes: int = 8 << 20, out: torch.Tensor | None = None,
-                   coefficients: Coefficients | None = None, verify: bool = True):
+def read_to_device(
+    srcs: Sequence[torch.Tensor],
+    spec,
+    device,
+    expected: Sequence[int],
+    *,
+    min_copy_bytes: int = 8 << 20,
+    out: torch.Tensor | None = None,
+    coefficients: Coefficients | None = None,
+    verify: bool = True,
+):
     """GPU-tier chunks -> a `LayerwiseLoad` on `device` (layer group by layer group, as `movers.to_device`; on the
     same GPU or a peer). `load.verified()` also checks the device checksums, computed on a side stream once the
     last group has landed. Without peer access use `read_chunks(..., peer=False)` into a staging buffer."""

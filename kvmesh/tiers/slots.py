@@ -89,9 +89,14 @@ class SlotPool:
         return sum(s.nbytes for s in self._slots if s.key is not None)
 
     # -- store --------------------------------------------------------------------------------------------------
-    def prepare_store(self, key: bytes, group: bytes, nbytes: int,
-                      on_evict: Callable[[int], None] | None = None,
-                      protect: set[bytes] | frozenset = frozenset()) -> StoreTicket | None:
+    def prepare_store(
+        self,
+        key: bytes,
+        group: bytes,
+        nbytes: int,
+        on_evict: Callable[[int], None] | None = None,
+        protect: set[bytes] | frozenset = frozenset(),
+    ) -> StoreTicket | None:
         """`on_evict(slot)` runs for a victim while its bytes are still in place (to demote it); keys in
         `protect` are not evicted for this store."""
         assert 0 < nbytes <= self.slot_bytes
@@ -130,8 +135,15 @@ class SlotPool:
                 continue
             free.discard(slot)
             s = self._slots[slot]
-            s.key, s.group, s.nbytes, s.checksum, s.pins, s.ready, s.doomed = (key, group, nbytes, chunk_checksum,
-                                                                               0, True, False)
+            s.key, s.group, s.nbytes, s.checksum, s.pins, s.ready, s.doomed = (
+                key,
+                group,
+                nbytes,
+                chunk_checksum,
+                0,
+                True,
+                False,
+            )
             s.devsum = None
             self._by_key[key] = slot
             self.group_counts[group] += 1
@@ -163,7 +175,7 @@ class SlotPool:
             slots.append(i)
         for i in slots:
             self._slots[i].pins += 1
-        for key in reversed(keys[:len(slots)]):  # the head of the prefix ends most recent
+        for key in reversed(keys[: len(slots)]):  # the head of the prefix ends most recent
             self._policy.touch(key)
         return slots
 

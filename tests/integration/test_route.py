@@ -134,6 +134,14 @@ def test_a_dead_nodes_copies_are_not_counted(mesh, ray_cluster):
                    2 * mesh.config.lease_s + 3)
         est = {e.node_id: e for e in cl.route(prefix + [1], [a, d])}
         assert est[a].why == est[d].why == "recompute" and est[a].known
+    # the later modules must not see the removed node: Ray marks it dead once its heartbeats are missed (a Serve
+    # deployment placed a replica on it while the GCS still listed it alive), and its KVNode's name goes
+    wait_until(lambda: not any(n["NodeID"] == d and n["Alive"] for n in ray.nodes()), 60)
+    try:
+        ray.kill(node_actors()[d], no_restart=True)
+    except (KeyError, ValueError):
+        pass
+    wait_until(lambda: d not in node_actors(), 30)
 
 
 def _alive(pid: int) -> bool:

@@ -75,6 +75,10 @@ def test_kvnode_killed_mid_write_comes_back_with_only_intact_chunks(mesh, ray_cl
     assert all(intact for _n, intact in results), "a fetched chunk differs from what was stored"
     assert sum(n for n, _ in results) > 0
     ray.get(actor.check_integrity.remote(False))
+    # the session's cluster goes back to its three nodes (a later module places one replica per node)
+    ray.kill(actor, no_restart=True)
+    wait_until(lambda: d not in node_actors(), 30)
+    ray_cluster.remove_node(node, graceful=True)
 
 
 def _stats(actor, old_pid):

@@ -271,5 +271,7 @@ def test_a_store_after_its_lookup_needs_no_directory_round_trip(mesh):
     cached, stored, counts = on_node(b, w_lookup_then_store, s, toks, kv)
     assert cached == 64 and stored == 3  # B stores only the 3 chunks its lookup saw missing
     assert counts["store_checked_by_lookup"] == 1
+    # (a store waits for its registration a bounded time only: on a loaded machine the registrar may finish later)
+    wait_until(lambda: on_node(a, w_lookup, s, toks).num_tokens == 160, 10)
     n, got, _ = on_node(a, w_fetch, s, toks)
     assert n == 160 and torch.equal(got, kv)

@@ -691,11 +691,14 @@ class Directory:
         """One round trip: the live holders of every chunk of `hashes` (an empty tuple where none), not only of the
         leading run: what a store checks to skip the chunks already cached. `newer`: as in `lookup`."""
         values = self.lookup_raw(group, hashes)
-        if newer is not None and any(
-            inc > table.newest() for v in set(values) if v for inc, _ in self.decode_holders(v)
-        ):
+        if newer is not None and self._names_newer({v for v in values if v}, table.newest()):
             table = newer()
         return [r[0] if (r := self.longest_prefix([v], table, prefer)) else () for v in values]
+
+    def _names_newer(self, values, newest: int) -> bool:
+        """Whether an entry among `values` names an incarnation newer than `newest` (one that joined after the
+        table was read)."""
+        return any(inc > newest for v in values for inc, _ in self.decode_holders(v))
 
     def longest_prefix(
         self, values: list[bytes | None], table: NodeTable, prefer: str | None = None
@@ -715,13 +718,14 @@ class Directory:
         out: list[tuple[Holder, ...]] = []
         memo: dict[bytes, tuple[Holder, ...]] = {}
         why = None  # why it stopped before the end: "not_cached" (no entry) or "holder_dead" (no live holder)
+        newest = table.newest() if newer is not None else 0
         for v, run in itertools.groupby(values):  # C-level grouping: Python work per run, not per chunk
             if v is None:
                 why = "not_cached"
                 break
             row = memo.get(v)
             if row is None:
-                if newer is not None and any(inc > table.newest() for inc, _ in self.decode_holders(v)):
+                if newer is not None and self._names_newer((v,), newest):
                     table, newer = newer(), None  # a node joined since `table` was read
                 hs = [
                     Holder(info.node_id, inc, tier)

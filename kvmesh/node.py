@@ -374,18 +374,21 @@ class KVNode:
             self._drop_transient(keys)
 
     def report_corrupt(self, keys: list[bytes]) -> int:
-        with self.lock:
-            slots = self.tier.pin(keys)
-        bad = []
-        try:
-            for s in slots:
-                if not self.tier.verify(s):
-                    bad.append(s)
-        finally:
+        """A reader found other bytes than a chunk's checksum says: each copy of `keys` held in memory (GPU tier,
+        CPU slab) is checked here, and a chunk with a bad copy is dropped from every tier and the directory.
+        (Disk copies are checked on every read.) Returns how many were dropped."""
+        bad: set[bytes] = set()
+        for tier in (self.cascade.gpu, self.tier):
+            if tier is None:
+                continue
             with self.lock:
-                # (a pinned slot holds a chunk)
-                bad_keys = [k for s in bad if (k := self.tier.record(s).key) is not None]
-                self.tier.unpin(slots)
+                slots = [s for k in keys for s in tier.pin([k])]
+            try:  # (a slot still being written is not judged)
+                bad.update(tier.record(s).key for s in slots if tier.record(s).ready and not tier.verify(s))
+            finally:
+                with self.lock:
+                    tier.unpin(slots)
+        bad_keys = [k for k in keys if k in bad]  # (a pinned slot holds a chunk)
         self._drop(bad_keys)
         return len(bad_keys)
 

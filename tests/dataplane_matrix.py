@@ -4,7 +4,9 @@ runs (tests/integration/test_matrix.py, CPU device sink) and the CUDA one run on
 
 Dimensions:
     source  slab (the reader's own node), tcp (a peer's data server), ray (a peer's actor), via (pulled through the
-            reader's node: coalesce_pulls), disk (a peer whose copies are on its disk tier only)
+            reader's node: coalesce_pulls), disk (a peer whose copies are on its disk tier only); and on a GPU
+            machine only (GPU_SOURCES): gpu (the reader's own node holds them in its GPU tier, stored there device
+            to device, read device to device through the pool it exports)
     sink    new (a new CPU tensor), out (the caller's `out=`), device (`fetch_to_device`)
     split   one_run (one holder, one request), per_chunk (one holder, one chunk per batch: six parallel
             requests), interleaved (two holders, chunk by chunk)
@@ -28,6 +30,7 @@ from kvmesh import KVSpec
 from tests.conftest import wait_until
 
 SOURCES = ("slab", "tcp", "ray", "via", "disk")
+GPU_SOURCES = ("gpu",)
 SINKS = ("new", "out", "device")
 SPLITS = ("one_run", "per_chunk", "interleaved")
 FAULTS = ("none", "holder_removed", "corrupt")
@@ -35,9 +38,9 @@ N, K = 6, 2  # chunks per case; the chunk a corruption hits
 SPEC = KVSpec("matrix", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=32)
 
 # (reader, holder of the even chunks, holder of the odd chunks) per source; roles are the backend's nodes:
-# A and B hold in memory, C reads, D holds on disk
+# A and B hold in memory, C reads, D holds on disk, G holds in its GPU tier
 ROLES = {"slab": ("A", "A", "B"), "tcp": ("C", "A", "B"), "ray": ("C", "A", "B"), "via": ("C", "A", "B"),
-         "disk": ("C", "D", "A")}
+         "disk": ("C", "D", "A"), "gpu": ("G", "G", "B")}
 
 
 def cases(sources=SOURCES, sinks=SINKS, splits=SPLITS, faults=FAULTS) -> list[tuple[str, str, str, str]]:
@@ -108,7 +111,7 @@ def run_case(backend, case) -> None:
     where = holders(source, split)
     for role in dict.fromkeys(where):
         backend.store(role, toks, kv, [i for i, r in enumerate(where) if r == role])
-    device_slab = source == "slab" and sink == "device"
+    device_slab = source in ("slab", "gpu") and sink == "device"  # GPU-tier chunks always carry device sums
     if device_slab:  # the reader's node has recorded its chunks' device checksums (a background thread)
         wait_until(lambda: backend.counters(reader)["slab_devsums_queued"] == 0, 10)
     opts = options(source, split)

@@ -1,7 +1,8 @@
 """The data-plane matrix's device-sink cases on real CUDA tensors (tests/dataplane_matrix.py says what each case
-checks). The GPU machine has no Ray: four KVNodes run as plain objects in this process against a real redis-server
-(A and B hold in memory, C reads, D holds on its disk tier), and readers use `connect_local`. Sources: slab, tcp,
-via and disk (the Ray transport needs Ray: it runs in tests/integration/test_matrix.py). Skipped without CUDA."""
+checks). The GPU machine has no Ray: five KVNodes run as plain objects in this process against a real redis-server
+(A and B hold in memory, C reads, D holds on its disk tier, G in its GPU tier), and readers use `connect_local`.
+Sources: slab, tcp, via, disk and gpu (the Ray transport needs Ray: it runs in tests/integration/test_matrix.py).
+Skipped without CUDA."""
 
 import os
 
@@ -29,7 +30,13 @@ class PlainBackend:
         os.makedirs(base.shm_dir, exist_ok=True)
         self.configs = {r: base for r in "ABC"}
         self.configs["D"] = base.replace(cpu_bytes=8 * SLOT, disk_bytes=64 * SLOT, disk_dir=str(tmp / "disk"))
-        self.nodes = {r: self._node(r, f"node-{r}" * 6) for r in "ABCD"}
+        roles = "ABCD"
+        if DEVICE == "cuda":  # G: a GPU tier of 16 slots above its slab (in this process its readers use the pool
+            # itself, as CUDA IPC cannot open a handle of its own process; tests/gpu/test_gpu_ipc.py maps it from a
+            # second process)
+            self.configs["G"] = base.replace(gpu_bytes=16 * SLOT, gpu_device="cuda")
+            roles += "G"
+        self.nodes = {r: self._node(r, f"node-{r}" * 6) for r in roles}
         self.reader = None
         self.seq = 0
         self.device_checked: list[int] = []  # of the last fetch
@@ -49,8 +56,16 @@ class PlainBackend:
         c = self.client(role)
         try:
             keys = mx.keys(toks)
-            c.store_keys(keys[0], [keys[i] for i in only], [mx.chunk(kv, i) for i in only])
+            chunks = [mx.chunk(kv, i) for i in only]
+            if role == "G":  # KV on the GPU: stored device to device into G's GPU tier
+                assert c.fetcher.env.gpu is not None, "the client did not map G's GPU tier"
+                chunks = [t.to(DEVICE) for t in chunks]
+            c.store_keys(keys[0], [keys[i] for i in only], chunks)
             assert c.flush() == len(only)
+            if role == "G":
+                gpu = self.nodes["G"].cascade.gpu
+                assert c.counts["stored_chunks_d2d"] == len(only) and not c.counts["store_d2d_fallback"]
+                assert all(gpu.slot_of(keys[i]) is not None for i in only), "not in the GPU tier"
             if role == "D":  # more chunks than D's CPU tier holds, stored after: the case's chunks go to disk
                 self.seq += 1
                 c.store(*mx.data(2_000_000 + self.seq, n=12))
@@ -100,6 +115,12 @@ class PlainBackend:
 
     def corrupt(self, role, toks, index):
         key = mx.keys(toks)[index]
+        if role == "G":  # one byte of the chunk's slot in the GPU pool
+            gpu = self.nodes[role].cascade.gpu
+            byte = gpu.buffer(gpu.slot_of(key))[1000:1001]
+            byte.bitwise_xor_(0x20)
+            torch.cuda.synchronize()
+            return
         (tier, path, offset), = [w for w in self.nodes[role].locate([key])[0]
                                  if w[0] == ("disk" if role == "D" else "cpu")]
         with open(path, "r+b") as f:
@@ -135,7 +156,7 @@ def backend(tmp_path_factory):
             n.shutdown()
 
 
-@pytest.mark.parametrize("case", mx.cases(sources=("slab", "tcp", "via", "disk"), sinks=("device",)),
+@pytest.mark.parametrize("case", mx.cases(sources=("slab", "tcp", "via", "disk") + mx.GPU_SOURCES, sinks=("device",)),
                          ids=mx.case_id)
 def test_matrix_on_cuda(backend, case):
     mx.run_case(backend, case)

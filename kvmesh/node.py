@@ -377,7 +377,7 @@ class KVNode:
         """A reader found other bytes than a chunk's checksum says: each copy of `keys` held in memory (GPU tier,
         CPU slab) is checked here, and a chunk with a bad copy is dropped from every tier and the directory.
         (Disk copies are checked on every read.) Returns how many were dropped."""
-        bad: set[bytes] = set()
+        bad: set[bytes | None] = set()
         for tier in (self.cascade.gpu, self.tier):
             if tier is None:
                 continue

@@ -216,18 +216,6 @@ def _drain(batches):
     return done
 
 
-def _ramp(n: int, batch_chunks: int) -> list[tuple[int, int]]:
-    """[a, b) batch bounds over n chunks: 1, 2, 4, ... up to batch_chunks. The first DMA waits for the first
-    gather only, so a small first batch starts the copy engine early (a full first batch of 8 x 32 MiB chunks
-    costs ~0.5 ms of launches and gathering before any byte moves); later gathers hide behind the copies."""
-    bounds, a, size = [], 0, 1
-    while a < n:
-        b = min(a + size, n)
-        bounds.append((a, b))
-        a, size = b, min(2 * size, batch_chunks)
-    return bounds
-
-
 def _store_batches(layers, block_table, host_dsts, batch_chunks, stream):
     """store_paged on CUDA, one batch per step: yields each batch's completion event once it is enqueued."""
     n = block_table.shape[0]
@@ -243,7 +231,8 @@ def _store_batches(layers, block_table, host_dsts, batch_chunks, stream):
     for buf in bufs:
         buf.record_stream(copy_stream)
     free = [None, None]  # event after which buffer i may be overwritten
-    for j, (a, b) in enumerate(_ramp(n, batch_chunks)):
+    for j, a in enumerate(range(0, n, batch_chunks)):
+        b = min(a + batch_chunks, n)
         buf = bufs[j % 2][: b - a]
         with torch.cuda.stream(stream):
             if free[j % 2] is not None:

@@ -32,7 +32,7 @@ chromium:
 # integrations (each installs its own)
 test: lint test-core test-install test-deploy test-vllm test-sglang
 
-# ruff (lint only: formatting is not checked here) and mypy over the package; both configured in pyproject.toml and
+# ruff (lint, import order and the format check) and mypy over the package; both configured in pyproject.toml and
 # installed with the `test` extra
 lint: $(STAMP)
 	$(BIN)/ruff check kvmesh

@@ -154,7 +154,7 @@ class Done(Pending[T]):
     def result(self, timeout: float | None) -> T:
         if self._error is not None:
             raise self._error
-        return self._value  # type: ignore[return-value]
+        return self._value  # type: ignore[return-value]  # (set whenever _error is None: a reply, or None for T=None)
 
     def abandon(self, cleanup: Callable[[T], None]) -> None:
         if self._error is None:

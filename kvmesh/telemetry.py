@@ -103,7 +103,7 @@ class RayExporter:
         if self._ok is None:
             try:
                 import ray
-                from ray.util import metrics  # noqa: F401
+                from ray.util import metrics  # noqa: F401 (imported only to learn whether Ray's metrics load here)
 
                 self._ok = ray.is_initialized()
             except Exception:

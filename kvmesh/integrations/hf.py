@@ -17,6 +17,14 @@ for token.
 Sliding-window models (Mistral-, Gemma-2-style configs). The cache here is a plain `DynamicCache`, which keeps every
 token of every layer (the model applies its window as an attention mask), so the KV stored and loaded is the whole
 prefix of every layer: one uniform stack, whatever the layers' windows.
+
+What this integration moves is one K and one V per layer, per token, of one shape: [kv_heads, head_dim]. Models whose
+state is anything else raise `UnsupportedModel` (a `ValueError`) from `spec_for_model` and `generate`, before
+anything is looked up, stored or computed: hybrids with recurrent, convolutional or linear-attention layers (a
+`layer_types` or `layers_block_type` entry other than full, sliding or chunked attention: Qwen3-Next, Jamba, LFM2,
+Falcon-H1, Bamba, MiniMax...) and multi-head latent attention (DeepSeek-V2/V3: K and V head dims differ). A spec
+whose geometry (layers, kv heads, head dim, dtype) is not the model's raises `ValueError` from `generate`, and a
+cache whose K/V do not have the spec's shape is never stored.
 """
 
 from __future__ import annotations
@@ -52,6 +60,70 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+class UnsupportedModel(ValueError):
+    """A model whose per-layer state is not one K and one V per token of one shape (see the module docstring)."""
+
+
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+
+
+def check_supported(model) -> None:
+    """Raises `UnsupportedModel`, naming the model type and what it has, unless every decoder layer keeps plain
+    per-token K/V of one shape."""
+    cfg = model.config
+    kind = getattr(cfg, "model_type", type(model).__name__)
+    for attr in ("layer_types", "layers_block_type"):
+        types = getattr(cfg, attr, None)
+        other = sorted({str(t) for t in types or () if t not in _ATTENTION_LAYERS})
+        if other:
+            raise UnsupportedModel(
+                f"{kind}: layers of type {', '.join(other)} (config.{attr}) keep state that is not per-token K/V "
+                "(recurrent, convolutional or linear attention); kvmesh.integrations.hf moves only attention KV"
+            )
+    v_dim = getattr(cfg, "v_head_dim", None)
+    qk_dim = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None)
+    if getattr(cfg, "kv_lora_rank", None) or (v_dim is not None and qk_dim is not None and v_dim != qk_dim):
+        raise UnsupportedModel(
+            f"{kind}: multi-head latent attention (K head dim {qk_dim}, V head dim {v_dim}); kvmesh.integrations.hf "
+            "moves K and V of one shape"
+        )
+    if not isinstance(getattr(cfg, "num_hidden_layers", None), int):
+        raise UnsupportedModel(f"{kind}: its config has no num_hidden_layers: not a decoder this integration knows")
+
+
+def _geometry(model, tp_size: int = 1) -> tuple[int, int, int, str]:
+    """(layers, kv heads per rank, head dim, dtype) of the model's KV, from its config."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return cfg.num_hidden_layers, kv_heads // tp_size, head_dim, dtype
+
+
+def _check_spec(model, spec: KVSpec) -> None:
+    """`generate` runs the whole model in this process: the spec must describe all of its KV (tp_size 1)."""
+    layers, kv_heads, head_dim, dtype = _geometry(model)
+    want = (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
+    if spec.tp_size != 1 or want != (layers, kv_heads, head_dim, dtype):
+        raise ValueError(
+            f"the client's spec (layers, kv heads, head dim, dtype) = {want} with tp_size {spec.tp_size} is not the "
+            f"model's {(layers, kv_heads, head_dim, dtype)} in one process: make it with spec_for_model(model)"
+        )
+
+
+def _check_cache(cache, spec: KVSpec, num_tokens: int) -> None:
+    """The computed cache holds, in every layer, K and V of the spec's shape; else nothing may be stored."""
+    want = (1, spec.num_kv_heads, num_tokens, spec.head_dim)
+    for layer in range(spec.num_layers):
+        k, v = _layer_kv(cache, layer)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise UnsupportedModel(
+                f"layer {layer}'s cache holds K {tuple(k.shape)} and V {tuple(v.shape)}, not {want} "
+                "[batch, kv heads, tokens, head dim] as the spec says: this model's KV cannot be stored"
+            )
+
+
 def spec_for_model(
     model,
     *,
@@ -62,18 +134,16 @@ def spec_for_model(
     tp_size: int = 1,
     kv_format: KVFormat | None = HF_FORMAT,
 ) -> KVSpec:
+    check_supported(model)
     cfg = model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    num_layers, kv_heads, head_dim, dtype = _geometry(model, tp_size)
     if model_id is None:
         name = getattr(cfg, "name_or_path", "") or cfg.model_type
         model_id = f"{name}@{weights_fingerprint(model)}"
     return KVSpec(
         model_id=model_id,
-        num_layers=cfg.num_hidden_layers,
-        num_kv_heads=kv_heads // tp_size,
+        num_layers=num_layers,
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
         dtype=dtype,
         chunk_tokens=chunk_tokens,
@@ -231,6 +301,9 @@ def generate(
     n = len(toks)
     if n == 0:
         raise ValueError("prompt must hold at least one token")
+    check_supported(model)
+    if client is not None:
+        _check_spec(model, client.spec)
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     ids = torch.from_numpy(toks.astype("int64")).to(device).unsqueeze(0)
@@ -256,6 +329,7 @@ def generate(
     if keep_logits:
         res.first_logits = logits[0].float().cpu()
     if client is not None and store:
+        _check_cache(cache, client.spec, n)
         res.stored_chunks = client.store(toks, kv_from_cache(cache, n, model.config.num_hidden_layers), cache_salt)
     for _ in range(max_new_tokens - 1):
         nxt = _forward(model, nxt.view(1, 1), cache).logits[:, -1].argmax(-1)

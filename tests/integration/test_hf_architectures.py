@@ -1,0 +1,97 @@
+"""Reuse through transformers model families beyond Llama, each with what sets it apart: Qwen3 (a head dim that is
+not hidden / heads, q/k norms), Gemma-3 (five sliding-window layers to one full, head dim 32 of a 128 hidden),
+Llama-4 (chunked local attention over 24 tokens, layers without RoPE, experts every other layer), GPT-NeoX (partial
+rotary, fused QKV, no GQA), GPT-2 (learned positions, Conv1D), Mixtral (experts) and Falcon's new
+decoder. A prompt of 5 chunks and 7 tokens is computed on node A; a longer one that shares it is reused on node B
+(pulled from A) and must give the greedy tokens of a full recompute on node C, logits within float32 tolerance.
+
+Models whose state is not per-token K/V (hybrids with linear-attention, recurrent or convolutional layers; DeepSeek's
+latent attention) raise `UnsupportedModel` before anything is looked up or stored: tests/unit/test_hf_models.py."""
+
+import pytest
+import torch
+
+import kvmesh
+from kvmesh.integrations.hf import generate, spec_for_model
+from tests.integration.conftest import on_node
+
+CHUNK, VOCAB = 16, 512
+ARCHS = ["qwen3", "gemma3", "llama4", "gpt_neox", "gpt2", "mixtral", "falcon"]
+
+
+def model(arch: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    if arch == "qwen3":
+        cfg, cls = tf.Qwen3Config(num_hidden_layers=2, head_dim=48, **common), tf.Qwen3ForCausalLM
+    elif arch == "gemma3":
+        cfg = tf.Gemma3TextConfig(num_hidden_layers=6, head_dim=32, sliding_window=40, query_pre_attn_scalar=32,
+                                  **common)
+        cls = tf.Gemma3ForCausalLM
+    elif arch == "llama4":
+        cfg = tf.Llama4TextConfig(num_hidden_layers=4, head_dim=32, attention_chunk_size=24, num_local_experts=2,
+                                  num_experts_per_tok=1, intermediate_size_mlp=256, interleave_moe_layer_step=2,
+                                  **common)
+        cls = tf.Llama4ForCausalLM
+    elif arch == "gpt_neox":
+        cfg = tf.GPTNeoXConfig(num_hidden_layers=2, vocab_size=VOCAB, hidden_size=128, num_attention_heads=4,
+                               intermediate_size=256, initializer_range=0.2, rotary_pct=0.25, bos_token_id=1,
+                               eos_token_id=2)
+        cls = tf.GPTNeoXForCausalLM
+    elif arch == "gpt2":
+        cfg = tf.GPT2Config(n_layer=2, vocab_size=VOCAB, n_embd=128, n_head=4, n_positions=1024,
+                            initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+        cls = tf.GPT2LMHeadModel
+    elif arch == "mixtral":
+        cfg = tf.MixtralConfig(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, **common)
+        cls = tf.MixtralForCausalLM
+    else:
+        cfg = tf.FalconConfig(num_hidden_layers=2, vocab_size=VOCAB, hidden_size=128, num_attention_heads=4,
+                              num_kv_heads=2, new_decoder_architecture=True, initializer_range=0.2, bos_token_id=1,
+                              eos_token_id=2)
+        cls = tf.FalconForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        m = cls(cfg)
+    if arch == "gemma3":  # its tied embeddings, scaled by sqrt(hidden), would drown the layers (see tests/vllm)
+        with torch.no_grad():
+            m.get_input_embeddings().weight.mul_(cfg.hidden_size ** -0.5)
+    return m.eval()
+
+
+def prompt(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+
+def w_generate(arch, tokens, use_kvmesh: bool):
+    torch.set_num_threads(1)
+    m = model(arch)
+    client = kvmesh.connect(spec_for_model(m, chunk_tokens=CHUNK)) if use_kvmesh else None
+    try:
+        r = generate(m, tokens, max_new_tokens=8, client=client, keep_logits=True)
+        if client:
+            client.flush()
+        return r
+    finally:
+        if client:
+            client.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_prefix_computed_on_one_node_is_reused_on_another_with_the_tokens_of_a_recompute(mesh, arch):
+    a, b, c = mesh.node_ids
+    doc = prompt(5 * CHUNK + 7, seed=ARCHS.index(arch))  # 5 full chunks and a partial one, which is not stored
+    longer = doc + prompt(9, seed=100)
+    first = on_node(a, w_generate, arch, doc, True)
+    assert first.reused_tokens == 0 and first.stored_chunks == 5
+    reused = on_node(b, w_generate, arch, longer, True)
+    plain = on_node(c, w_generate, arch, longer, False)
+    assert reused.reused_tokens == 5 * CHUNK and reused.reused_peer_tokens == 5 * CHUNK
+    assert reused.tokens == plain.tokens
+    assert torch.allclose(reused.first_logits, plain.first_logits, atol=1e-4, rtol=0)
+    # the comparison proves something: another prompt gives other tokens
+    assert on_node(c, w_generate, arch, prompt(len(longer), seed=200), False).tokens != plain.tokens

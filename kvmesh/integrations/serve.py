@@ -31,12 +31,16 @@ own requests.
 Estimates are made in the router's process, which runs no model: a replica's prefill rate is the one it measured
 and reported with its load; before it has reported one, the router's `prefill_tokens_per_s` option (kvmesh.routing's
 prior when unset). A directory that fails gives unknown estimates: requests are then routed by load alone until it
-answers again.
+answers again. A router that cannot connect when Serve builds it (a directory that does not answer, refuses AUTH or
+is not Redis; no KVNode on its node) logs why in one line (`kvmesh.DirectoryUnavailable`'s words: the URL with its
+password redacted, and the cause), routes by load alone, and tries to connect again every `RECONNECT_S`: requests
+are served meanwhile, never held by a router that does not exist.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 import threading
@@ -58,6 +62,9 @@ except ModuleNotFoundError as e:  # Ray without its serve extra (starlette, fast
 
 DEFAULT_EPS = 0.25
 DEFAULT_MIN_CAP = 4
+RECONNECT_S = 10.0  # how often a router that could not connect tries again
+
+log = logging.getLogger("kvmesh.serve")
 
 
 def router_config(
@@ -128,7 +135,6 @@ class KVMeshRouter(RequestRouter):
         options: dict | None = None,
         **_,
     ) -> None:
-        import kvmesh
 
         _check_eps(eps)
         _check_min_cap(min_cap)
@@ -136,9 +142,11 @@ class KVMeshRouter(RequestRouter):
         self.min_cap = int(min_cap)
         self.cache_salt = cache_salt
         self.prefill_tokens_per_s = prefill_tokens_per_s
-        self.client = kvmesh.connect(
-            KVSpec.from_canonical_bytes(bytes.fromhex(spec)), redis_url, cache_salt=cache_salt, **(options or {})
-        )
+        self._connect_args = (KVSpec.from_canonical_bytes(bytes.fromhex(spec)), redis_url, cache_salt, options or {})
+        self.client = None
+        self.connect_error: str | None = None  # why the router has no client, while it has none
+        self._next_connect = 0.0
+        self._try_connect()
         self.in_flight: dict[ReplicaID, int] = {}  # this router's requests sent and not completed, per replica
         # ... and their estimated prefill seconds: request id -> (replica, seconds, when routed)
         self.work: dict[str, tuple[str, float, float]] = {}
@@ -147,6 +155,24 @@ class KVMeshRouter(RequestRouter):
         # at a time (a client takes one caller at a time)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-serve-route")
         self._lock = threading.Lock()
+
+    def _try_connect(self) -> None:
+        """Connect the router's client; on failure say why once (per distinct reason) and try again later."""
+        import kvmesh
+
+        spec, redis_url, cache_salt, options = self._connect_args
+        self._next_connect = time.monotonic() + RECONNECT_S
+        try:
+            self.client = kvmesh.connect(spec, redis_url, cache_salt=cache_salt, **options)
+        except (ConnectionError, TimeoutError, RuntimeError) as e:  # DirectoryUnavailable is a ConnectionError
+            why = f"{type(e).__name__}: {e}"
+            if why != self.connect_error:
+                log.error("kvmesh router: %s; routing by load alone, connecting again every %g s", why, RECONNECT_S)
+            self.connect_error = why
+            return
+        if self.connect_error is not None:
+            log.warning("kvmesh router: connected after %s", self.connect_error)
+        self.connect_error = None
 
     # -- in-flight accounting: Serve calls on_send_request for every request sent, on_request_completed once each
     def on_send_request(self, replica_id: ReplicaID) -> None:
@@ -189,7 +215,10 @@ class KVMeshRouter(RequestRouter):
         toks = request_tokens(pending_request) if pending_request is not None else None
         ttft: dict[ReplicaID, float] = {}
         work: dict[ReplicaID, float] = {}
-        if toks is not None:
+        if self.client is None and time.monotonic() >= self._next_connect:
+            self._next_connect = math.inf  # one attempt at a time, off the event loop
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._try_connect)
+        if toks is not None and self.client is not None:
             located = [r for r in allowed if r.node_id]
             if located:
                 queued = self.queued_s(time.monotonic())

@@ -130,3 +130,33 @@ def test_the_bounded_load_guard_spreads_a_flood_of_one_prefix(app, mesh):
     cap = math.ceil((1 + EPS) * n / 3)
     assert max(served.values()) <= cap + 6
     assert all(p <= cap + 6 for p in peaks.values()), peaks
+
+
+def test_a_router_that_cannot_reach_its_directory_routes_by_load_and_says_why_in_one_line(app, mesh, caplog):
+    # Serve builds the router for the first request, in the caller's process: with a directory where nothing
+    # listens, connecting fails. Requests must still be served (by load alone), not held by a router that raised,
+    # and the log must say why in one line: the URL with its password redacted, and the cause
+    import logging
+    import socket
+
+    from kvmesh.integrations.serve import router_config
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    url = f"redis://:hunter2@127.0.0.1:{closed.getsockname()[1]}/0"
+    s = spec()
+    caplog.set_level(logging.ERROR, logger="kvmesh.serve")
+    try:
+        handle = serve.run(NodeEcho.options(name="DeadDirectory", request_router_config=router_config(s, redis_url=url))
+                           .bind(s.canonical_bytes().hex(), 0.0), name="kvmesh-dead-directory", route_prefix=None)
+        t0 = time.monotonic()
+        answers = [handle.remote(tokens(3 * C, seed=77 + i)).result(timeout_s=60) for i in range(4)]
+        took = time.monotonic() - t0
+    finally:
+        closed.close()
+        serve.delete("kvmesh-dead-directory")
+    assert set(answers) <= set(mesh.node_ids) and took < 30, (answers, took)
+    said = [r.getMessage() for r in caplog.records if r.name == "kvmesh.serve"]
+    assert len(said) == 1, said  # once, not once per request
+    assert f"kvmesh directory redis://:***@127.0.0.1:{url.rsplit(':', 1)[1]} is unavailable: unreachable" in said[0]
+    assert "hunter2" not in said[0] and "\n" not in said[0]

@@ -27,6 +27,10 @@ class CudaError(RuntimeError):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.detail = detail
+
+    def __reduce__(self):  # pickled as what it was built from (Ray carries it between processes)
+        return type(self), (self.reason, self.detail)
 
 
 class IpcHandle(ctypes.Structure):

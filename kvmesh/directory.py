@@ -344,6 +344,9 @@ class DirectoryUnavailable(ConnectionError):
         self.cause = cause
         super().__init__(f"kvmesh directory {self.url} is unavailable: {cause}")
 
+    def __reduce__(self):  # pickled as what it was built from: it crosses Ray task and actor boundaries intact
+        return type(self), (self.url, self.cause)
+
 
 def probe(url: str, timeout_s: float) -> None:
     """Raises `DirectoryUnavailable` unless a Redis at `url` answers PING, AUTH (and SELECT) included, on a

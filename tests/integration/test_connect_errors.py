@@ -143,3 +143,22 @@ def test_once_connected_a_directory_that_goes_away_is_a_miss(ray_cluster):
             assert m.num_chunks == 0 and m.why == "directory_error"
         finally:
             client.close()
+
+
+def _connect_in_a_task(url: str):
+    kvmesh.connect(SPEC, redis_url=url, lease_s=LEASE_S, heartbeat_s=LEASE_S / 2)
+
+
+def test_the_error_reaches_the_caller_of_a_ray_task_or_actor_typed_and_whole(ray_cluster, servers):
+    # engines and routers connect inside Ray actors: the error must survive Ray's pickling as itself (an exception
+    # Ray cannot rebuild reaches the caller as UnserializableException, its words buried in a traceback)
+    import ray
+
+    url = servers["refused"]
+    with pytest.raises(kvmesh.DirectoryUnavailable) as info:
+        ray.get(ray.remote(num_cpus=0)(_connect_in_a_task).remote(url), timeout=60)
+    # Ray raises a RayTaskError that is also a DirectoryUnavailable; its `cause` is the original error, rebuilt
+    original = info.value.cause
+    assert type(original) is kvmesh.DirectoryUnavailable
+    _check(original, url, "Connection refused")
+    assert str(original) in str(info.value)

@@ -24,6 +24,9 @@
 Run: python bench/gpu.py            (full)        python bench/gpu.py --quick   (small shapes, e.g. on the CPU)
      python bench/gpu.py --only tier  (P1 + LMCache, G1, P2/P2'/G2: the GPU-tier issue's figures)
      python bench/gpu.py --only vllm  (the vLLM connector's load into GPU blocks)
+     python bench/gpu.py --multi-gpu  (M1, M2 of the multi-GPU node: bench/gpu_multi.py; needs 2 GPUs, else it
+                                       writes an error JSON; --multi-gpu-same-device: the same code on cuda:0 alone,
+                                       a smoke run)
 """
 
 from __future__ import annotations
@@ -365,7 +368,8 @@ def _g2(r, ids, prompt_tokens, views, t_rec, t_cpu_hit) -> dict:
                 "g2_gpu_tier_load_alone_gbps": n * r.spec.chunk_bytes / t_load / 1e9,
                 "g2_gpu_tier_load_verified_alone_s": t_load_verified,
                 "g2_logits_equal_cpu_hit": bool(torch.equal(lg, lc)),
-                "g2_logits_equal_split_recompute": bool(torch.equal(lg, ls))}
+                "g2_logits_equal_split_recompute": bool(torch.equal(lg, ls)),
+                "g2_gpu_tier_device": str(hit.srcs[0].device), "g2_reader_device": str(r.device)}
     finally:
         hit.close()
 
@@ -536,7 +540,15 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny shapes (for a CPU smoke run)")
     p.add_argument("--only", choices=["p1", "p2", "p3", "fp32", "bf16", "g1", "tier", "vllm"],
                    help="tier: P1 with LMCache beside it, G1, and P2/P2'/G2")
+    p.add_argument("--multi-gpu", action="store_true",
+                   help="M1/M2 only: a GPU tier on cuda:0 read by a worker on cuda:1 (bench/gpu_multi.py)")
+    p.add_argument("--multi-gpu-same-device", action="store_true",
+                   help="with --multi-gpu: both 'GPUs' are cuda:0 (a smoke run of the M1/M2 code on one GPU)")
     args = p.parse_args()
+    if args.multi_gpu or args.multi_gpu_same_device:
+        from bench.gpu_multi import run
+
+        sys.exit(run(args.quick, args.multi_gpu_same_device))  # (it forces multicast off before CUDA starts)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -309,3 +309,26 @@ def test_hybrid_pools_are_refused_naming_the_model_feature(engines):
                           ("deepseek_v4_c4", "DeepSeek-V4"), ("draft_swa", "draft")):
         with pytest.raises(ray.exceptions.RayTaskError, match=feature):
             ray.get(eb.call.remote("register_mem_host_pool_v2", None, pool), timeout=60)
+
+
+def test_a_backend_pointed_at_a_dead_directory_fails_at_registration_saying_so_in_one_line(sgl_cluster):
+    # SGLang hands the backend its host pool at start-up, where kvmesh connects: a directory where nothing listens
+    # stops the engine there, with the URL (password redacted) and the cause on one line, not a silent miss forever
+    import socket
+
+    cluster, _ = sgl_cluster
+    _, a, _ = cluster.node_ids()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    url = f"redis://:hunter2@127.0.0.1:{closed.getsockname()[1]}/0"
+    try:
+        dead = engine_on(a, seed=3, redis_url=url)
+        with pytest.raises(ray.exceptions.RayActorError) as info:
+            ray.get(dead.node.remote(), timeout=120)
+    finally:
+        closed.close()
+    text = str(info.value)
+    line = next((ln for ln in text.splitlines() if "DirectoryUnavailable: kvmesh directory" in ln), None)
+    assert line is not None, text
+    assert f"kvmesh directory redis://:***@127.0.0.1:{url.rsplit(':', 1)[1]} is unavailable: unreachable" in line
+    assert "hunter2" not in text

@@ -19,9 +19,44 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--no-first-run", "--disable-component-update", "--disable-sync"]
 
 
-def service_pids() -> set[int]:
-    r = subprocess.run(["pgrep", "-f", "redis-server|raylet|gcs_server|kvmesh-"], capture_output=True, text=True)
-    return {int(p) for p in r.stdout.split()}
+def _proc(pid: str) -> tuple[int, str, str, bytes] | None:
+    """(parent pid, start time, command line, environment) of a live process; None if gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return None
+    return (int(fields[1]), fields[19], cmd, env) if cmd and fields[0] != "Z" else None
+
+
+def demo_processes(root: int, tag: str) -> dict[tuple[int, str], str]:
+    """(pid, start time) -> command line of the demo (`root`) and every process it started: those whose
+    environment holds KVMESH_TEST_RUN=`tag` (Ray's processes inherit it) and the descendants of `root` (redis-server
+    writes its title over its environment). Nothing else on the machine: another Ray or Redis beside the test does
+    not count."""
+    procs = {int(p): info for p in os.listdir("/proc") if p.isdigit() and (info := _proc(p)) is not None}
+    want = f"KVMESH_TEST_RUN={tag}".encode()
+    mine = {pid for pid, (_, _, _, env) in procs.items() if want in env.split(b"\0")} | {root}
+    grew = True
+    while grew:
+        more = {pid for pid, (ppid, _, _, _) in procs.items() if ppid in mine} - mine
+        mine |= more
+        grew = bool(more)
+    return {(pid, procs[pid][1]): procs[pid][2] for pid in mine if pid in procs}
+
+
+def still_running(seen: dict[tuple[int, str], str]) -> dict[tuple[int, str], str]:
+    """Those of `seen` that still run (the same pid with the same start time: not a new process reusing it)."""
+    out = {}
+    for (pid, start), cmd in seen.items():
+        info = _proc(str(pid))
+        if info is not None and info[1] == start:
+            out[(pid, start)] = cmd
+    return out
 
 
 def chromium() -> str:
@@ -90,14 +125,16 @@ def check_page(browser: str, url: str, tmp_path, summary_rows: dict) -> None:
 def test_kvmesh_demo_runs_shows_its_live_page_and_cleans_up(tmp_path):
     browser = chromium()
     out = tmp_path / "demo.json"
-    before = service_pids()
+    tag = f"demo-{os.getpid()}-{tmp_path.name}"
     cmd = [sys.executable, "-m", "kvmesh.cli", "demo", "--nodes", "3", "--docs", "2", "--questions", "3",
            "--doc-tokens", "512", "--chunk-tokens", "64", "--hidden-size", "128", "--layers", "2",
            "--new-tokens", "4", "--cpu-mib", "64", "--threads", "1", "--json", str(out), "--linger", "300"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "KVMESH_TEST_RUN": tag})
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)], daemon=True).start()
     printed = []
+    seen: dict = {}
     try:
         while True:
             line = lines.get(timeout=600)
@@ -109,6 +146,9 @@ def test_kvmesh_demo_runs_shows_its_live_page_and_cleans_up(tmp_path):
         url = re.search(r"live page: (http://\S+)", stdout).group(1)
         assert line.rstrip().endswith(url)  # the same URL, printed again for the user
         reused = int(re.search(r"\| prefix tokens reused\s+\| (\d+)", stdout).group(1))
+        seen = demo_processes(proc.pid, tag)
+        running = " | ".join(seen.values())
+        assert "raylet" in running and "redis-server" in running, running  # the leak check below can see them
         check_page(browser, url, tmp_path, {"reused": reused, "requests": 6})
         proc.stdin.write("\n")  # Enter ends the linger
         proc.stdin.flush()
@@ -117,7 +157,11 @@ def test_kvmesh_demo_runs_shows_its_live_page_and_cleans_up(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert service_pids() - before == set(), "the demo left processes running"
+    try:  # the demo and everything it started have exited (allowing a moment for the last exits)
+        wait_until(lambda: not still_running(seen) and not demo_processes(proc.pid, tag), 10)
+    except AssertionError:
+        left = {**still_running(seen), **demo_processes(proc.pid, tag)}
+        raise AssertionError(f"the demo left processes running: {left}") from None
     for row in ("requests", "prefix tokens reused", "from a peer node", "tokens recomputed",
                 "wall time without kvmesh", "wall time with kvmesh", "output check"):
         assert row in stdout

@@ -298,6 +298,42 @@ def test_engines_with_vllms_offloading_connector_share_prefixes_through_the_tier
     assert out_b[0]["ids"] == ref[0]["ids"] and out_b[0]["ids"] != out_a[0]["ids"]
 
 
+@pytest.fixture(scope="module")
+def offload_hybrid(tiers):
+    """Gemma-2-style engines (sliding-window and full-attention layers alternate: two KV cache groups, vLLM's hybrid
+    allocator) with vLLM's OffloadingConnector and KVMeshTier, on nodes 1 and 2."""
+    n1, n2 = tiers["nodes"]
+    model = make_model(os.path.join(tiers["work"], "tiny-gemma2"), arch="gemma2", window=300)
+    a, b = offload_engine(n1, tiers["work"], model), offload_engine(n2, tiers["work"], model)
+    assert ray.get([a.node_id.remote(), b.node_id.remote()], timeout=600) == [n1, n2]
+    yield a, b
+    ray.kill(a)
+    ray.kill(b)
+
+
+def test_a_hybrid_model_shares_prefixes_through_the_tier_with_the_output_of_a_recompute(offload_hybrid):
+    from tests.vllm.engines import delta
+
+    a, b = offload_hybrid
+    prefix = tokens(50, 1024)
+    pa, pb = prefix + tokens(51, 40), prefix + tokens(52, 40)
+    out_a = ray.get(a.generate.remote([pa]), timeout=300)
+    ray.get(a.tier_settle.remote(), timeout=60)
+    stored = ray.get(a.tier_counts.remote())
+    before = ray.get(b.prompt_tokens_by_source.remote())
+    out_b = ray.get(b.generate.remote([pb]), timeout=300)
+    src = delta(ray.get(b.prompt_tokens_by_source.remote()), before)
+    tier_b = ray.get(b.tier_counts.remote())
+    ref = ray.get(b.generate.remote([pb], recompute=True), timeout=300)
+    print(f"\nGemma-2 B through vLLM's OffloadingConnector: tokens by source {src}, cached {out_b[0]['cached']}, "
+          f"A's tier {stored}, B's tier {tier_b}")
+    assert stored.get("vllm_tier_stored_chunks", 0) >= 8
+    # the whole 1024-token prefix from the tier: both groups' chunks, pulled from node 1
+    assert src.get("external_kv_transfer", 0) == 1024 and out_b[0]["cached"] == 1024
+    assert tier_b.get("fetched_chunks_peer", 0) == tier_b.get("vllm_tier_loaded_chunks", -1) > 8
+    assert out_b[0]["ids"] == ref[0]["ids"] and out_b[0]["ids"] != out_a[0]["ids"]
+
+
 def test_a_killed_holder_turns_into_misses_without_hanging_the_scheduler(tiers, offload, vllm_mesh):
     # last in the module that needs node 1: removes it (both A engines, its KVNode and its CPU tier)
     cluster, mesh = vllm_mesh
@@ -364,3 +400,4 @@ def test_the_tiers_options_and_identity_are_checked():
               tier_spec(config(model=NS(name="org/model", dtype="float16")), 4096, opts),
               tier_spec(config(), 4096, {"model_revision": "r2"})]
     assert len({base.namespace, *(o.namespace for o in others)}) == 1 + len(others)
+

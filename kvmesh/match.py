@@ -3,6 +3,7 @@ did (`StoreResult`). Integrations read these, not counter deltas."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, replace
 
 from kvmesh.cost import LoadPlan
@@ -46,11 +47,30 @@ class Match:
         return len(self.chunks)
 
     def truncate(self, num_chunks: int) -> Match:
-        return replace(self, chunks=self.chunks[: max(0, num_chunks)], plan=None)
+        """The first `num_chunks` chunks of this match (all of them if it has fewer)."""
+        num_chunks = _check_index("num_chunks", num_chunks)
+        return replace(self, chunks=self.chunks[:num_chunks], plan=None)
 
     def select(self, first: int, end: int) -> Match:
-        """Chunks [first, end) of this match (e.g. the part a split plan loads)."""
+        """Chunks [first, end) of this match (e.g. the part a split plan loads), 0 <= first <= end <= num_chunks:
+        a range outside the match raises ValueError (a slice would shift `start` off the chunks it names)."""
+        first, end = _check_index("first", first), _check_index("end", end)
+        if not first <= end <= len(self.chunks):
+            raise ValueError(f"select({first}, {end}) of a {len(self.chunks)}-chunk match: need first <= end <= that")
         return replace(self, chunks=self.chunks[first:end], start=self.start + first, plan=None)
+
+
+def _check_index(name: str, value) -> int:
+    """`value` as an int (numpy's integers too); TypeError for a bool or a non-integer, ValueError below 0."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)

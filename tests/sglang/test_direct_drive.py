@@ -29,7 +29,7 @@ class Engine:
     """What one SGLang engine's HiCache holds: a device KV pool, its host pool, and the L3 backend."""
 
     def __init__(self, seed: int, model: str = "tiny@r1", dtype=torch.bfloat16, tp=(0, 1), layout="layer_first",
-                 **options) -> None:
+                 heads: int = 2, head_dim: int = 64, layers: int = 2, **options) -> None:
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
@@ -37,8 +37,9 @@ class Engine:
         from sglang.srt.mem_cache.storage import StorageBackendFactory
 
         torch.manual_seed(seed)
-        self.dev = MHATokenToKVPool(size=1024, page_size=PAGE, dtype=dtype, head_num=2, head_dim=64, layer_num=2,
-                                    device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+        self.layers = layers
+        self.dev = MHATokenToKVPool(size=1024, page_size=PAGE, dtype=dtype, head_num=heads, head_dim=head_dim,
+                                    layer_num=layers, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
         for buf in (*self.dev.k_buffer, *self.dev.v_buffer):
             buf.copy_(torch.randn(buf.shape).to(dtype))
         cls, info, kw = _mha_host_inputs(self.dev)
@@ -56,8 +57,8 @@ class Engine:
 
     def kv(self, dev_idx: torch.Tensor) -> torch.Tensor:
         """KV of device slots `dev_idx`: [layers, 2, n, heads, head_dim]."""
-        return torch.stack([torch.stack([self.dev.k_buffer[l][dev_idx], self.dev.v_buffer[l][dev_idx]])
-                            for l in range(2)])
+        return torch.stack([torch.stack([self.dev.k_buffer[i][dev_idx], self.dev.v_buffer[i][dev_idx]])
+                            for i in range(self.layers)])
 
     def write(self, keys: list[str], first_token: int) -> tuple[list[bool], torch.Tensor]:
         """Device slots [first_token, +len(keys) pages) -> host -> kvmesh; returns the results and their KV."""
@@ -75,7 +76,7 @@ class Engine:
         ok = self.be.batch_get_v1(keys, h_idx)
         n = sum(ok)
         dst = torch.arange(512, 512 + n * PAGE, dtype=torch.int64)
-        for layer in range(2):
+        for layer in range(self.layers):
             self.host.load_to_device_per_layer(self.dev, h_idx[: n * PAGE], dst, layer, "direct")
         self.host.free(h_idx)
         return {"exists": hit, "ok": ok, "kv": self.kv(dst), "fetch": self.be.client.last_fetch,
@@ -317,7 +318,7 @@ def test_a_backend_pointed_at_a_dead_directory_fails_at_registration_saying_so_i
     import socket
 
     cluster, _ = sgl_cluster
-    _, a, _ = cluster.node_ids()
+    a = cluster.node_ids()[-1]  # (a node of the module's cluster that is still there)
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
     url = f"redis://:hunter2@127.0.0.1:{closed.getsockname()[1]}/0"
@@ -332,3 +333,27 @@ def test_a_backend_pointed_at_a_dead_directory_fails_at_registration_saying_so_i
     assert line is not None, text
     assert f"kvmesh directory redis://:***@127.0.0.1:{url.rsplit(':', 1)[1]} is unavailable: unreachable" in line
     assert "hunter2" not in text
+
+
+@pytest.mark.parametrize("geometry", [dict(heads=1, head_dim=128, layers=3, dtype=torch.float16),
+                                      dict(heads=8, head_dim=32, layers=2, dtype=torch.float32)],
+                         ids=["1x128-3L-fp16", "8x32-2L-fp32"])
+def test_other_pool_geometries_round_trip_bit_exact_across_nodes(sgl_cluster, geometry):
+    # pools of other shapes and dtypes than the module's engines: a page written on node A reads back bit-exact on B
+    cluster, _ = sgl_cluster
+    a, b = cluster.node_ids()[-2:]  # two nodes of the module's cluster that are still there (a test removes one)
+    tag = "-".join(str(v) for v in geometry.values())
+    ea, eb = engine_on(a, seed=7, model=f"geom-{tag}@r1", **geometry), engine_on(b, seed=8, model=f"geom-{tag}@r1",
+                                                                                  **geometry)
+    try:
+        keys = keys_for(f"geometry-{tag}")
+        ok, ref = ray.get(ea.write.remote(keys, 0), timeout=60)
+        assert ok == [True] * PAGES and ref.dtype == geometry["dtype"]
+        got = ray.get(eb.read.remote(keys), timeout=60)
+        assert got["exists"] == PAGES and got["ok"] == [True] * PAGES and got["fetch"].peer_chunks == PAGES
+        assert torch.equal(got["kv"], ref)
+        _, b_own = ray.get(eb.write.remote(keys_for(f"b-own-{tag}", 1), 0), timeout=60)
+        assert not torch.equal(b_own, ref[:, :, :PAGE])
+    finally:
+        ray.kill(ea)
+        ray.kill(eb)

@@ -53,6 +53,9 @@ Primitives:
     lookup_with_loads(group, hashes, table) -> (holders, why, loads)   read, one round trip (pipelined; in Redis
                                                      Cluster both servers are asked before either answer is read):
                                                      `lookup` and every replica's last load report
+
+The scripts behind the mutating primitives and `node_table` are in `kvmesh.dirscripts`; the redis-py client
+(`connect`), `probe` and `DirectoryUnavailable` are in `kvmesh.redisconn` (re-exported here).
 """
 
 from __future__ import annotations
@@ -63,193 +66,22 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgpack
 import numpy as np
 import redis
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisClusterException
-from redis.retry import Retry
 
-from kvmesh.config import redact_url
+from kvmesh import dirscripts
+from kvmesh.redisconn import DirectoryUnavailable as DirectoryUnavailable  # re-exported: kvmesh.DirectoryUnavailable
+from kvmesh.redisconn import connect
+from kvmesh.redisconn import probe as probe  # re-exported
 from kvmesh.wire import NodeInfo
 
 HOLDERS_VERSION = 2  # the value's first byte
 _HOLDER = struct.Struct("<IB")  # incarnation, tier
 MAX_HOLDERS = 8  # per chunk; a longer list drops its oldest entries
 
-# The incarnation counter starts at 4 x Redis's clock in seconds since 2020 (a u32 until 2053, so it packs in 4
-# bytes), and never below the joining node's own last incarnation (ARGV[5]). So a Redis that restarted empty hands a
-# node a new number, and does not reissue one unless nodes joined faster than 4 per second over its whole previous
-# life; even then a stale client would only ask a node for a chunk by its full hash, which that node does not hold.
-_JOIN = """
-redis.call('SET', KEYS[1], ARGV[2], 'NX')
-local epoch = redis.call('GET', KEYS[1])
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-redis.call('SET', KEYS[2], (t[1] - 1577836800) * 4, 'NX')
-if tonumber(redis.call('GET', KEYS[2])) < tonumber(ARGV[5]) then redis.call('SET', KEYS[2], ARGV[5]) end
-local inc = redis.call('INCR', KEYS[2])
-local prev = redis.call('HGET', KEYS[3], ARGV[1]) or '0'
-redis.call('HSET', KEYS[3], ARGV[1], inc)
-redis.call('ZADD', KEYS[4], now + tonumber(ARGV[3]), ARGV[1])
-redis.call('HSET', KEYS[5], ARGV[1], ARGV[4])
-redis.call('INCR', KEYS[6])
-return {epoch, inc, prev}
-"""
-
-# Ray (or an operator) says the node is gone: end its lease now rather than when it lapses.
-_EXPIRE = """
-if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
-  redis.call('ZADD', KEYS[2], 0, ARGV[1])
-  return 1
-end
-return 0
-"""
-
-# A holders value (HOLDERS_VERSION 2): one version byte, then (incarnation u32 LE, tier u8) per holder, oldest
-# first. holders(v) reads one (an unknown version reads as no holders); pack(hs, first) writes hs[first..].
-_HOLDERS_LUA = """
-local function holders(v)
-  local hs = {}
-  if v and string.byte(v, 1) == 2 then
-    for pos = 2, #v - 4, 5 do
-      local inc, tier = struct.unpack('<I4B', v, pos)
-      hs[#hs + 1] = {inc, tier}
-    end
-  end
-  return hs
-end
-local function pack(hs, first)
-  local parts = {string.char(2)}
-  for j = first, #hs do parts[#parts + 1] = struct.pack('<I4B', hs[j][1], hs[j][2]) end
-  return table.concat(parts)
-end
-"""
-
-# KEYS[1] group; ARGV[1] inc: drop every entry of that incarnation from the group.
-_PURGE_GROUP = (
-    _HOLDERS_LUA
-    + """
-local inc = tonumber(ARGV[1])
-local n = 0
-local all = redis.call('HGETALL', KEYS[1])
-for i = 1, #all, 2 do
-  local hs = holders(all[i + 1])
-  local keep = {}
-  for j = 1, #hs do
-    if hs[j][1] ~= inc then keep[#keep + 1] = hs[j] end
-  end
-  if #keep < #hs then
-    n = n + 1
-    if #keep == 0 then redis.call('HDEL', KEYS[1], all[i]) else redis.call('HSET', KEYS[1], all[i], pack(keep, 1)) end
-  end
-end
-return n
-"""
-)
-
-_HEARTBEAT = """
-if redis.call('GET', KEYS[1]) ~= ARGV[3] then return 'resync' end
-local cur = redis.call('HGET', KEYS[2], ARGV[1])
-if not cur then return 'resync' end
-if cur ~= ARGV[2] then return 'fenced' end
-local t = redis.call('TIME')
-redis.call('ZADD', KEYS[3], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[4]), ARGV[1])
-return 'ok'
-"""
-
-_LEAVE = """
-if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
-  redis.call('HDEL', KEYS[1], ARGV[1])
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  redis.call('INCR', KEYS[4])
-  return 1
-end
-return 0
-"""
-
-# KEYS[1] group; ARGV: inc, tier, hashes...
-_REGISTER = (
-    _HOLDERS_LUA
-    + """
-local inc = tonumber(ARGV[1])
-local tier = tonumber(ARGV[2])
-local maxh = tonumber(ARGV[3])
-for i = 4, #ARGV do
-  local hs = {}
-  for _, h in ipairs(holders(redis.call('HGET', KEYS[1], ARGV[i]))) do
-    if h[1] ~= inc then hs[#hs + 1] = h end
-  end
-  hs[#hs + 1] = {inc, tier}
-  redis.call('HSET', KEYS[1], ARGV[i], pack(hs, math.max(1, #hs - maxh + 1)))
-end
-return #ARGV - 3
-"""
-)
-
-# KEYS[1] group; ARGV: inc, hashes...
-_UNREGISTER = (
-    _HOLDERS_LUA
-    + """
-local inc = tonumber(ARGV[1])
-local n = 0
-for i = 2, #ARGV do
-  local v = redis.call('HGET', KEYS[1], ARGV[i])
-  if v then
-    local keep = {}
-    for _, h in ipairs(holders(v)) do
-      if h[1] ~= inc then keep[#keep + 1] = h else n = n + 1 end
-    end
-    if #keep == 0 then redis.call('HDEL', KEYS[1], ARGV[i])
-    else redis.call('HSET', KEYS[1], ARGV[i], pack(keep, 1)) end
-  end
-end
-return n
-"""
-)
-
-
-# KEYS[1] load, KEYS[2] load_at; ARGV: replica id, packed load, keep_ms. Stamps the report with Redis's clock (what
-# readers judge its age by, as they judge leases) and drops reports older than keep_ms: replicas that went away.
-_REPORT_LOAD = """
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[2], ARGV[1], now)
-local at = redis.call('HGETALL', KEYS[2])
-for i = 1, #at, 2 do
-  if now - tonumber(at[i + 1]) > tonumber(ARGV[3]) then
-    redis.call('HDEL', KEYS[1], at[i])
-    redis.call('HDEL', KEYS[2], at[i])
-  end
-end
-return now
-"""
-
 LOAD_VERSION = 1  # a load value's first element
-
-
-# The node table and Redis's clock in one round trip, on the node keys' one slot (a pipeline's TIME would have no
-# slot in Redis Cluster). A missing epoch reads as '' (a nil would end the Lua array). ARGV: the membership version
-# and epoch the reader already has the rows of, and its horizon (ms). Rows (`inc`, `info`) and every lease are read
-# only when the version or the epoch moved; otherwise only the leases that lapse before now + horizon, i.e. nodes
-# dead or about to be (none, in a healthy cluster): a reader then holds every other lease live until that horizon.
-# The last element says which it is (1: whole table).
-_NODE_TABLE = """
-local t = redis.call('TIME')
-local epoch = redis.call('GET', KEYS[1]) or ''
-local ver = redis.call('GET', KEYS[5]) or '0'
-if ver ~= ARGV[1] or epoch ~= ARGV[2] then
-  return {t[1], t[2], epoch, ver, redis.call('HGETALL', KEYS[2]), redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES'),
-          redis.call('HGETALL', KEYS[4]), 1}
-end
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-return {t[1], t[2], epoch, ver, {}, redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now + tonumber(ARGV[3])),
-        'WITHSCORES'), {}, 0}
-"""
 
 
 def horizon_for(node_refresh_s: float) -> int:
@@ -334,75 +166,6 @@ def pack_hmget(key: str, hashes: list[bytes]) -> bytes:
     return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (n + 2, len(k), k) + body.tobytes()
 
 
-class DirectoryUnavailable(ConnectionError):
-    """The directory at `url` did not answer as a Redis should when kvmesh connected (`probe`): nothing listens,
-    it does not answer in time, it refuses AUTH, or it is not Redis. `url` has its password redacted; `cause` says
-    which, in words. Only connecting raises it: once connected, a directory that fails is a miss."""
-
-    def __init__(self, url: str, cause: str) -> None:
-        self.url = redact_url(url)
-        self.cause = cause
-        super().__init__(f"kvmesh directory {self.url} is unavailable: {cause}")
-
-    def __reduce__(self):  # pickled as what it was built from: it crosses Ray task and actor boundaries intact
-        return type(self), (self.url, self.cause)
-
-
-def probe(url: str, timeout_s: float) -> None:
-    """Raises `DirectoryUnavailable` unless a Redis at `url` answers PING, AUTH (and SELECT) included, on a
-    connection of its own. Bounded: connecting and then each reply wait at most `timeout_s` (so 2 x `timeout_s`
-    for a server that accepts the connection and then never answers; a Redis Cluster's discovery asks each
-    master in turn)."""
-    try:
-        r = connect(url, timeout_s)
-    except ValueError as e:  # a URL redis-py cannot read (a bad port, an unknown ssl_* option)
-        raise DirectoryUnavailable(url, f"unreadable URL ({e})") from None
-    except (redis.RedisError, RedisClusterException, OSError) as e:  # Redis Cluster connects while it is built
-        raise DirectoryUnavailable(url, _cause(e, timeout_s)) from None
-    try:
-        pong = r.ping()
-    except Exception as e:  # a server that is not Redis can fail redis-py in its own ways (an echoed HELLO reply
-        # is read as a map: AttributeError); whatever it is, this directory cannot be used
-        raise DirectoryUnavailable(url, _cause(e, timeout_s)) from None
-    finally:
-        r.close()
-    if pong is not True:  # a server that echoes what it is sent reads as a PING that got "PING" back
-        raise DirectoryUnavailable(url, f"not a Redis server (PING answered {pong!r})")
-
-
-def _cause(e: Exception, timeout_s: float) -> str:
-    """What went wrong, in words: the error's class alone says too little ("ConnectionError")."""
-    text = str(e) or type(e).__name__
-    if isinstance(e, redis.AuthenticationError) or text.startswith(("NOAUTH", "WRONGPASS", "invalid username")):
-        return f"authentication refused ({text})"
-    if isinstance(e, (redis.TimeoutError, TimeoutError)):
-        return f"no answer within {timeout_s:g} s ({text})"
-    if isinstance(e, redis.ConnectionError) and "Connection closed by server" in text:
-        return f"the server closed the connection: not a Redis server? ({text})"
-    if isinstance(e, (RedisClusterException, OSError)) or (
-        isinstance(e, redis.ConnectionError) and "Bad response" not in text
-    ):
-        return f"unreachable ({text})"
-    return f"not a Redis server, or not one kvmesh can use ({type(e).__name__}: {text})"
-
-
-def connect(url: str, timeout_s: float = 2.0):
-    """A redis-py client for `url`: `redis://` or `rediss://` (TLS; `?ssl_ca_certs=/path/ca.pem` and the other
-    `ssl_*` query options of redis-py), with `user:password@` for AUTH/ACL users. `?cluster=1` speaks Redis Cluster
-    (any master's address; the others are discovered). No retries: callers have deadlines, and a directory that
-    does not answer is a miss, not a wait."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    cluster = any(k == "cluster" and v.lower() in ("1", "true", "yes") for k, v in query)
-    plain = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "cluster"])))
-    kw = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
-    if cluster:
-        from redis.cluster import RedisCluster
-
-        return RedisCluster.from_url(plain, cluster_error_retry_attempts=1, **kw)
-    return redis.Redis.from_url(plain, health_check_interval=30, **kw)
-
-
 class Directory:
     def __init__(self, url: str, prefix: str = "kvmesh", timeout_s: float = 2.0) -> None:
         self.url = url
@@ -420,15 +183,15 @@ class Directory:
         # node_table: leases further off than this are read only on a membership change; it must exceed how long a
         # reader goes between reads (horizon_for)
         self.table_horizon_ms = 3000
-        self._join = self._redis.register_script(_JOIN)
-        self._heartbeat = self._redis.register_script(_HEARTBEAT)
-        self._leave = self._redis.register_script(_LEAVE)
-        self._register = self._redis.register_script(_REGISTER)
-        self._unregister = self._redis.register_script(_UNREGISTER)
-        self._node_table = self._redis.register_script(_NODE_TABLE)
-        self._expire = self._redis.register_script(_EXPIRE)
+        self._join = self._redis.register_script(dirscripts.JOIN)
+        self._heartbeat = self._redis.register_script(dirscripts.HEARTBEAT)
+        self._leave = self._redis.register_script(dirscripts.LEAVE)
+        self._register = self._redis.register_script(dirscripts.REGISTER)
+        self._unregister = self._redis.register_script(dirscripts.UNREGISTER)
+        self._node_table = self._redis.register_script(dirscripts.NODE_TABLE)
+        self._expire = self._redis.register_script(dirscripts.EXPIRE)
         self._k_load, self._k_load_at = f"{n}:load", f"{n}:load_at"
-        self._report_load = self._redis.register_script(_REPORT_LOAD)
+        self._report_load = self._redis.register_script(dirscripts.REPORT_LOAD)
         self._owned: dict[int, set[bytes]] = {}  # incarnation -> groups already in its own index
         self._own_lock = threading.Lock()
         self._holders_cache: dict[bytes, tuple[tuple[int, int], ...]] = {}
@@ -545,7 +308,7 @@ class Directory:
         """Register several groups in one pipelined round trip per Redis server (used on resync)."""
         self._note_owned(lease, list(groups))
         self._run_scripts(
-            _REGISTER,
+            dirscripts.REGISTER,
             [(self.group_key(g), [lease.incarnation, tier, MAX_HOLDERS, *fields(hs)]) for g, hs in groups.items()],
         )
 
@@ -590,7 +353,7 @@ class Directory:
             removed += sum(
                 int(n or 0)
                 for n in self._run_scripts(
-                    _PURGE_GROUP, [(self.group_key(g), [incarnation]) for g in groups[i : i + 256]]
+                    dirscripts.PURGE_GROUP, [(self.group_key(g), [incarnation]) for g in groups[i : i + 256]]
                 )
             )
         self._redis.delete(own)

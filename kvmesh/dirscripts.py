@@ -1,0 +1,186 @@
+"""The directory's Lua scripts (`kvmesh.directory.Directory` registers and runs them). Each runs atomically on one
+Redis Cluster slot: the node keys' `{n}` for membership, leases and load reports; one group's `{<h1 hex>}` for holder
+entries. Key layout, value formats and what each primitive mutates: `kvmesh.directory`'s docstring. A holders value
+as these scripts read and write it must match `kvmesh.directory.HOLDERS_VERSION` and its `_HOLDER` struct.
+
+    JOIN          a node joins: new incarnation, lease, info; epoch created if missing; membership version INCR
+    EXPIRE        end a node incarnation's lease now
+    HOLDERS_LUA   the Lua helpers that read and write a holders value (prepended to the group scripts)
+    PURGE_GROUP   drop every entry of one incarnation from one group
+    HEARTBEAT     extend a lease ("ok"), or say "resync" / "fenced"
+    LEAVE         remove a node if still this incarnation; membership version INCR
+    REGISTER      add/update an incarnation's entries in one group
+    UNREGISTER    remove an incarnation's entries from one group
+    REPORT_LOAD   a replica's load report, stamped with Redis's clock; old reports dropped
+    NODE_TABLE    the node table (whole, or only the leases that lapse soon) and Redis's clock
+"""
+
+# The incarnation counter starts at 4 x Redis's clock in seconds since 2020 (a u32 until 2053, so it packs in 4
+# bytes), and never below the joining node's own last incarnation (ARGV[5]). So a Redis that restarted empty hands a
+# node a new number, and does not reissue one unless nodes joined faster than 4 per second over its whole previous
+# life; even then a stale client would only ask a node for a chunk by its full hash, which that node does not hold.
+JOIN = """
+redis.call('SET', KEYS[1], ARGV[2], 'NX')
+local epoch = redis.call('GET', KEYS[1])
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('SET', KEYS[2], (t[1] - 1577836800) * 4, 'NX')
+if tonumber(redis.call('GET', KEYS[2])) < tonumber(ARGV[5]) then redis.call('SET', KEYS[2], ARGV[5]) end
+local inc = redis.call('INCR', KEYS[2])
+local prev = redis.call('HGET', KEYS[3], ARGV[1]) or '0'
+redis.call('HSET', KEYS[3], ARGV[1], inc)
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('HSET', KEYS[5], ARGV[1], ARGV[4])
+redis.call('INCR', KEYS[6])
+return {epoch, inc, prev}
+"""
+
+# Ray (or an operator) says the node is gone: end its lease now rather than when it lapses.
+EXPIRE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  redis.call('ZADD', KEYS[2], 0, ARGV[1])
+  return 1
+end
+return 0
+"""
+
+# A holders value (HOLDERS_VERSION 2): one version byte, then (incarnation u32 LE, tier u8) per holder, oldest
+# first. holders(v) reads one (an unknown version reads as no holders); pack(hs, first) writes hs[first..].
+HOLDERS_LUA = """
+local function holders(v)
+  local hs = {}
+  if v and string.byte(v, 1) == 2 then
+    for pos = 2, #v - 4, 5 do
+      local inc, tier = struct.unpack('<I4B', v, pos)
+      hs[#hs + 1] = {inc, tier}
+    end
+  end
+  return hs
+end
+local function pack(hs, first)
+  local parts = {string.char(2)}
+  for j = first, #hs do parts[#parts + 1] = struct.pack('<I4B', hs[j][1], hs[j][2]) end
+  return table.concat(parts)
+end
+"""
+
+# KEYS[1] group; ARGV[1] inc: drop every entry of that incarnation from the group.
+PURGE_GROUP = (
+    HOLDERS_LUA
+    + """
+local inc = tonumber(ARGV[1])
+local n = 0
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local hs = holders(all[i + 1])
+  local keep = {}
+  for j = 1, #hs do
+    if hs[j][1] ~= inc then keep[#keep + 1] = hs[j] end
+  end
+  if #keep < #hs then
+    n = n + 1
+    if #keep == 0 then redis.call('HDEL', KEYS[1], all[i]) else redis.call('HSET', KEYS[1], all[i], pack(keep, 1)) end
+  end
+end
+return n
+"""
+)
+
+HEARTBEAT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[3] then return 'resync' end
+local cur = redis.call('HGET', KEYS[2], ARGV[1])
+if not cur then return 'resync' end
+if cur ~= ARGV[2] then return 'fenced' end
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[3], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[4]), ARGV[1])
+return 'ok'
+"""
+
+LEAVE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  redis.call('INCR', KEYS[4])
+  return 1
+end
+return 0
+"""
+
+# KEYS[1] group; ARGV: inc, tier, hashes...
+REGISTER = (
+    HOLDERS_LUA
+    + """
+local inc = tonumber(ARGV[1])
+local tier = tonumber(ARGV[2])
+local maxh = tonumber(ARGV[3])
+for i = 4, #ARGV do
+  local hs = {}
+  for _, h in ipairs(holders(redis.call('HGET', KEYS[1], ARGV[i]))) do
+    if h[1] ~= inc then hs[#hs + 1] = h end
+  end
+  hs[#hs + 1] = {inc, tier}
+  redis.call('HSET', KEYS[1], ARGV[i], pack(hs, math.max(1, #hs - maxh + 1)))
+end
+return #ARGV - 3
+"""
+)
+
+# KEYS[1] group; ARGV: inc, hashes...
+UNREGISTER = (
+    HOLDERS_LUA
+    + """
+local inc = tonumber(ARGV[1])
+local n = 0
+for i = 2, #ARGV do
+  local v = redis.call('HGET', KEYS[1], ARGV[i])
+  if v then
+    local keep = {}
+    for _, h in ipairs(holders(v)) do
+      if h[1] ~= inc then keep[#keep + 1] = h else n = n + 1 end
+    end
+    if #keep == 0 then redis.call('HDEL', KEYS[1], ARGV[i])
+    else redis.call('HSET', KEYS[1], ARGV[i], pack(keep, 1)) end
+  end
+end
+return n
+"""
+)
+
+
+# KEYS[1] load, KEYS[2] load_at; ARGV: replica id, packed load, keep_ms. Stamps the report with Redis's clock (what
+# readers judge its age by, as they judge leases) and drops reports older than keep_ms: replicas that went away.
+REPORT_LOAD = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[1], now)
+local at = redis.call('HGETALL', KEYS[2])
+for i = 1, #at, 2 do
+  if now - tonumber(at[i + 1]) > tonumber(ARGV[3]) then
+    redis.call('HDEL', KEYS[1], at[i])
+    redis.call('HDEL', KEYS[2], at[i])
+  end
+end
+return now
+"""
+
+
+# The node table and Redis's clock in one round trip, on the node keys' one slot (a pipeline's TIME would have no
+# slot in Redis Cluster). A missing epoch reads as '' (a nil would end the Lua array). ARGV: the membership version
+# and epoch the reader already has the rows of, and its horizon (ms). Rows (`inc`, `info`) and every lease are read
+# only when the version or the epoch moved; otherwise only the leases that lapse before now + horizon, i.e. nodes
+# dead or about to be (none, in a healthy cluster): a reader then holds every other lease live until that horizon.
+# The last element says which it is (1: whole table).
+NODE_TABLE = """
+local t = redis.call('TIME')
+local epoch = redis.call('GET', KEYS[1]) or ''
+local ver = redis.call('GET', KEYS[5]) or '0'
+if ver ~= ARGV[1] or epoch ~= ARGV[2] then
+  return {t[1], t[2], epoch, ver, redis.call('HGETALL', KEYS[2]), redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES'),
+          redis.call('HGETALL', KEYS[4]), 1}
+end
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+return {t[1], t[2], epoch, ver, {}, redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now + tonumber(ARGV[3])),
+        'WITHSCORES'), {}, 0}
+"""

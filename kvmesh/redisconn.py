@@ -1,0 +1,84 @@
+"""Connecting to the directory's Redis: `connect` builds the redis-py client for a directory URL (`redis://`,
+`rediss://`, `?cluster=1`), `probe` checks that a Redis answers there, and `DirectoryUnavailable` is what connecting
+raises when one does not. `kvmesh.directory` re-exports all three.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException
+from redis.retry import Retry
+
+from kvmesh.config import redact_url
+
+
+class DirectoryUnavailable(ConnectionError):
+    """The directory at `url` did not answer as a Redis should when kvmesh connected (`probe`): nothing listens,
+    it does not answer in time, it refuses AUTH, or it is not Redis. `url` has its password redacted; `cause` says
+    which, in words. Only connecting raises it: once connected, a directory that fails is a miss."""
+
+    def __init__(self, url: str, cause: str) -> None:
+        self.url = redact_url(url)
+        self.cause = cause
+        super().__init__(f"kvmesh directory {self.url} is unavailable: {cause}")
+
+    def __reduce__(self):  # pickled as what it was built from: it crosses Ray task and actor boundaries intact
+        return type(self), (self.url, self.cause)
+
+
+def probe(url: str, timeout_s: float) -> None:
+    """Raises `DirectoryUnavailable` unless a Redis at `url` answers PING, AUTH (and SELECT) included, on a
+    connection of its own. Bounded: connecting and then each reply wait at most `timeout_s` (so 2 x `timeout_s`
+    for a server that accepts the connection and then never answers; a Redis Cluster's discovery asks each
+    master in turn)."""
+    try:
+        r = connect(url, timeout_s)
+    except ValueError as e:  # a URL redis-py cannot read (a bad port, an unknown ssl_* option)
+        raise DirectoryUnavailable(url, f"unreadable URL ({e})") from None
+    except (redis.RedisError, RedisClusterException, OSError) as e:  # Redis Cluster connects while it is built
+        raise DirectoryUnavailable(url, _cause(e, timeout_s)) from None
+    try:
+        pong = r.ping()
+    except Exception as e:  # a server that is not Redis can fail redis-py in its own ways (an echoed HELLO reply
+        # is read as a map: AttributeError); whatever it is, this directory cannot be used
+        raise DirectoryUnavailable(url, _cause(e, timeout_s)) from None
+    finally:
+        r.close()
+    if pong is not True:  # a server that echoes what it is sent reads as a PING that got "PING" back
+        raise DirectoryUnavailable(url, f"not a Redis server (PING answered {pong!r})")
+
+
+def _cause(e: Exception, timeout_s: float) -> str:
+    """What went wrong, in words: the error's class alone says too little ("ConnectionError")."""
+    text = str(e) or type(e).__name__
+    if isinstance(e, redis.AuthenticationError) or text.startswith(("NOAUTH", "WRONGPASS", "invalid username")):
+        return f"authentication refused ({text})"
+    if isinstance(e, (redis.TimeoutError, TimeoutError)):
+        return f"no answer within {timeout_s:g} s ({text})"
+    if isinstance(e, redis.ConnectionError) and "Connection closed by server" in text:
+        return f"the server closed the connection: not a Redis server? ({text})"
+    if isinstance(e, (RedisClusterException, OSError)) or (
+        isinstance(e, redis.ConnectionError) and "Bad response" not in text
+    ):
+        return f"unreachable ({text})"
+    return f"not a Redis server, or not one kvmesh can use ({type(e).__name__}: {text})"
+
+
+def connect(url: str, timeout_s: float = 2.0):
+    """A redis-py client for `url`: `redis://` or `rediss://` (TLS; `?ssl_ca_certs=/path/ca.pem` and the other
+    `ssl_*` query options of redis-py), with `user:password@` for AUTH/ACL users. `?cluster=1` speaks Redis Cluster
+    (any master's address; the others are discovered). No retries: callers have deadlines, and a directory that
+    does not answer is a miss, not a wait."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    cluster = any(k == "cluster" and v.lower() in ("1", "true", "yes") for k, v in query)
+    plain = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "cluster"])))
+    kw = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+    if cluster:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(plain, cluster_error_retry_attempts=1, **kw)
+    return redis.Redis.from_url(plain, health_check_interval=30, **kw)

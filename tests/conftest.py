@@ -1,4 +1,6 @@
+import contextlib
 import os
+import socket
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on 127.0.0.1
 
@@ -89,3 +91,23 @@ def reachable(addr: str) -> bool:
         return True
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def dead_directory():
+    """A directory URL where nothing listens (a port bound and never listening, so no one else takes it), with a
+    password in it to check that what kvmesh says redacts it."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    try:
+        yield f"redis://:hunter2@127.0.0.1:{closed.getsockname()[1]}/0"
+    finally:
+        closed.close()
+
+
+def says_directory_unreachable(text: str, url: str) -> None:
+    """`text` (an error's or a log's) names `url`'s directory as unreachable on one line, its password redacted."""
+    line = next((ln for ln in text.splitlines() if "DirectoryUnavailable: kvmesh directory" in ln), None)
+    assert line is not None, text
+    assert f"kvmesh directory {url.replace('hunter2', '***')} is unavailable: unreachable" in line, line
+    assert "hunter2" not in text

@@ -13,6 +13,7 @@ import torch
 import kvmesh
 from kvmesh import KVSpec
 from kvmesh.mesh import node_actors
+from tests.conftest import dead_directory, says_directory_unreachable
 from tests.integration.conftest import on_node
 
 serve = pytest.importorskip("ray.serve", reason="needs kvmesh[serve]")
@@ -137,26 +138,23 @@ def test_a_router_that_cannot_reach_its_directory_routes_by_load_and_says_why_in
     # listens, connecting fails. Requests must still be served (by load alone), not held by a router that raised,
     # and the log must say why in one line: the URL with its password redacted, and the cause
     import logging
-    import socket
 
     from kvmesh.integrations.serve import router_config
 
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    url = f"redis://:hunter2@127.0.0.1:{closed.getsockname()[1]}/0"
     s = spec()
     caplog.set_level(logging.ERROR, logger="kvmesh.serve")
-    try:
-        handle = serve.run(NodeEcho.options(name="DeadDirectory", request_router_config=router_config(s, redis_url=url))
-                           .bind(s.canonical_bytes().hex(), 0.0), name="kvmesh-dead-directory", route_prefix=None)
-        t0 = time.monotonic()
-        answers = [handle.remote(tokens(3 * C, seed=77 + i)).result(timeout_s=60) for i in range(4)]
-        took = time.monotonic() - t0
-    finally:
-        closed.close()
-        serve.delete("kvmesh-dead-directory")
+    with dead_directory() as url:
+        try:
+            handle = serve.run(NodeEcho.options(name="DeadDirectory",
+                                                request_router_config=router_config(s, redis_url=url))
+                               .bind(s.canonical_bytes().hex(), 0.0), name="kvmesh-dead-directory", route_prefix=None)
+            t0 = time.monotonic()
+            answers = [handle.remote(tokens(3 * C, seed=77 + i)).result(timeout_s=60) for i in range(4)]
+            took = time.monotonic() - t0
+        finally:
+            serve.delete("kvmesh-dead-directory")
     assert set(answers) <= set(mesh.node_ids) and took < 30, (answers, took)
     said = [r.getMessage() for r in caplog.records if r.name == "kvmesh.serve"]
     assert len(said) == 1, said  # once, not once per request
-    assert f"kvmesh directory redis://:***@127.0.0.1:{url.rsplit(':', 1)[1]} is unavailable: unreachable" in said[0]
-    assert "hunter2" not in said[0] and "\n" not in said[0]
+    says_directory_unreachable(said[0], url)
+    assert "\n" not in said[0]

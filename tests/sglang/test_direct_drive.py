@@ -13,7 +13,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tests.conftest import wait_until
+from tests.conftest import dead_directory, says_directory_unreachable, wait_until
 
 PAGE = 16
 PAGES = 8
@@ -315,24 +315,13 @@ def test_hybrid_pools_are_refused_naming_the_model_feature(engines):
 def test_a_backend_pointed_at_a_dead_directory_fails_at_registration_saying_so_in_one_line(sgl_cluster):
     # SGLang hands the backend its host pool at start-up, where kvmesh connects: a directory where nothing listens
     # stops the engine there, with the URL (password redacted) and the cause on one line, not a silent miss forever
-    import socket
-
     cluster, _ = sgl_cluster
     a = cluster.node_ids()[-1]  # (a node of the module's cluster that is still there)
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    url = f"redis://:hunter2@127.0.0.1:{closed.getsockname()[1]}/0"
-    try:
+    with dead_directory() as url:
         dead = engine_on(a, seed=3, redis_url=url)
         with pytest.raises(ray.exceptions.RayActorError) as info:
             ray.get(dead.node.remote(), timeout=120)
-    finally:
-        closed.close()
-    text = str(info.value)
-    line = next((ln for ln in text.splitlines() if "DirectoryUnavailable: kvmesh directory" in ln), None)
-    assert line is not None, text
-    assert f"kvmesh directory redis://:***@127.0.0.1:{url.rsplit(':', 1)[1]} is unavailable: unreachable" in line
-    assert "hunter2" not in text
+    says_directory_unreachable(str(info.value), url)
 
 
 @pytest.mark.parametrize("geometry", [dict(heads=1, head_dim=128, layers=3, dtype=torch.float16),

@@ -22,7 +22,7 @@ import ray
 
 import kvmesh
 from kvmesh.spec import KVSpec
-from tests.conftest import reachable, wait_until
+from tests.conftest import dead_directory, reachable, says_directory_unreachable, wait_until
 from tests.golden import check_golden
 from tests.vllm.engines import delta, make_model, start_engine, tokens
 
@@ -352,22 +352,11 @@ def test_with_the_directory_down_b_recomputes_without_waiting_on_it(engines, pri
 
 
 def test_an_engine_pointed_at_a_dead_directory_fails_at_start_saying_so_in_one_line(engines):
-    # a directory URL where nothing listens (bound, never listening): the engine must not start and serve every
-    # request as a silent miss; what it raises names the URL (password redacted) and the cause on one line
-    import socket
-
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    url = f"redis://:hunter2@127.0.0.1:{closed.getsockname()[1]}/0"
+    # a directory URL where nothing listens: the engine must not start and serve every request as a silent miss;
+    # what it raises names the URL (password redacted) and the cause on one line
     head = ray.get_runtime_context().get_node_id()
-    try:
+    with dead_directory() as url:
         dead = start_engine(head, engines["work"], engines["model"], kvmesh={"redis_url": url})
         with pytest.raises(ray.exceptions.RayActorError) as info:
             ray.get(dead.node_id.remote(), timeout=600)
-    finally:
-        closed.close()
-    text = str(info.value)
-    line = next((ln for ln in text.splitlines() if "DirectoryUnavailable: kvmesh directory" in ln), None)
-    assert line is not None, text
-    assert f"kvmesh directory redis://:***@127.0.0.1:{url.rsplit(':', 1)[1]} is unavailable: unreachable" in line
-    assert "hunter2" not in text
+    says_directory_unreachable(str(info.value), url)

@@ -265,74 +265,68 @@ def offload_engine(node_id: str, work: str, model: str):
                                       "secondary_tiers": [tier]}})
 
 
+def offload_pair(tiers, model: str):
+    """Engines A (node 1) and B (node 2) of `model` running vLLM's OffloadingConnector with KVMeshTier."""
+    n1, n2 = tiers["nodes"]
+    a, b = offload_engine(n1, tiers["work"], model), offload_engine(n2, tiers["work"], model)
+    assert ray.get([a.node_id.remote(), b.node_id.remote()], timeout=600) == [n1, n2]
+    return a, b
+
+
 @pytest.fixture(scope="module")
 def offload(tiers):
-    """Engines A (node 1) and B (node 2) running vLLM's OffloadingConnector with KVMeshTier."""
-    n1, n2 = tiers["nodes"]
-    a, b = offload_engine(n1, tiers["work"], tiers["model"]), offload_engine(n2, tiers["work"], tiers["model"])
-    assert ray.get([a.node_id.remote(), b.node_id.remote()], timeout=600) == [n1, n2]
+    a, b = offload_pair(tiers, tiers["model"])
     yield a, b
     ray.kill(a)
     ray.kill(b)
 
 
-def test_engines_with_vllms_offloading_connector_share_prefixes_through_the_tier(offload):
+def share_through_tier(a, b, seed: int, what: str) -> dict:
+    """A serves a 1024-token prefix and a suffix (cascading it to kvmesh), then B serves the prefix with another
+    suffix, then recomputes that prompt: A's and B's outputs, B's tokens by source, both tiers' counts."""
     from tests.vllm.engines import delta
 
-    a, b = offload
-    prefix = tokens(40, 1024)
-    pa, pb = prefix + tokens(41, 40), prefix + tokens(42, 40)
-    out_a = ray.get(a.generate.remote([pa]), timeout=300)
+    prefix = tokens(seed, 1024)
+    out_a = ray.get(a.generate.remote([prefix + tokens(seed + 1, 40)]), timeout=300)
     ray.get(a.tier_settle.remote(), timeout=60)  # A's cascade to kvmesh is registered
     stored = ray.get(a.tier_counts.remote())
+    pb = prefix + tokens(seed + 2, 40)
     before = ray.get(b.prompt_tokens_by_source.remote())
     out_b = ray.get(b.generate.remote([pb]), timeout=300)
     src = delta(ray.get(b.prompt_tokens_by_source.remote()), before)
     tier_b = ray.get(b.tier_counts.remote())
     ref = ray.get(b.generate.remote([pb], recompute=True), timeout=300)
-    print(f"\nB through vLLM's OffloadingConnector: tokens by source {src}, cached {out_b[0]['cached']}, "
+    print(f"\n{what} B through vLLM's OffloadingConnector: tokens by source {src}, cached {out_b[0]['cached']}, "
           f"A's tier {stored}, B's tier {tier_b}")
-    assert stored.get("vllm_tier_stored_chunks", 0) >= 8  # A cascaded its prompt's 128-token chunks
-    assert src.get("external_kv_transfer", 0) == 1024 and out_b[0]["cached"] == 1024
-    assert tier_b.get("vllm_tier_loaded_chunks", 0) == 8 and tier_b.get("fetched_chunks_peer", 0) == 8
-    assert out_b[0]["ids"] == ref[0]["ids"] and out_b[0]["ids"] != out_a[0]["ids"]
+    return {"a": out_a[0], "b": out_b[0], "ref": ref[0], "src": src, "stored": stored, "tier_b": tier_b}
+
+
+def test_engines_with_vllms_offloading_connector_share_prefixes_through_the_tier(offload):
+    r = share_through_tier(*offload, 40, "Llama")
+    assert r["stored"].get("vllm_tier_stored_chunks", 0) >= 8  # A cascaded its prompt's 128-token chunks
+    assert r["src"].get("external_kv_transfer", 0) == 1024 and r["b"]["cached"] == 1024
+    assert r["tier_b"].get("vllm_tier_loaded_chunks", 0) == 8 and r["tier_b"].get("fetched_chunks_peer", 0) == 8
+    assert r["b"]["ids"] == r["ref"]["ids"] and r["b"]["ids"] != r["a"]["ids"]
 
 
 @pytest.fixture
 def offload_hybrid(tiers):
     """Gemma-2-style engines (sliding-window and full-attention layers alternate: two KV cache groups, vLLM's hybrid
-    allocator) with vLLM's OffloadingConnector and KVMeshTier, on nodes 1 and 2; for one test only (killed after
-    it: six engines at once are more than a 2-core, 24 GiB machine keeps answering in time)."""
-    n1, n2 = tiers["nodes"]
-    model = make_model(os.path.join(tiers["work"], "tiny-gemma2"), arch="gemma2", window=300)
-    a, b = offload_engine(n1, tiers["work"], model), offload_engine(n2, tiers["work"], model)
-    assert ray.get([a.node_id.remote(), b.node_id.remote()], timeout=600) == [n1, n2]
+    allocator), for one test only (killed after it: six engines at once are more than a 2-core, 24 GiB machine
+    keeps answering in time)."""
+    a, b = offload_pair(tiers, make_model(os.path.join(tiers["work"], "tiny-gemma2"), arch="gemma2", window=300))
     yield a, b
     ray.kill(a)
     ray.kill(b)
 
 
 def test_a_hybrid_model_shares_prefixes_through_the_tier_with_the_output_of_a_recompute(offload_hybrid):
-    from tests.vllm.engines import delta
-
-    a, b = offload_hybrid
-    prefix = tokens(50, 1024)
-    pa, pb = prefix + tokens(51, 40), prefix + tokens(52, 40)
-    out_a = ray.get(a.generate.remote([pa]), timeout=300)
-    ray.get(a.tier_settle.remote(), timeout=60)
-    stored = ray.get(a.tier_counts.remote())
-    before = ray.get(b.prompt_tokens_by_source.remote())
-    out_b = ray.get(b.generate.remote([pb]), timeout=300)
-    src = delta(ray.get(b.prompt_tokens_by_source.remote()), before)
-    tier_b = ray.get(b.tier_counts.remote())
-    ref = ray.get(b.generate.remote([pb], recompute=True), timeout=300)
-    print(f"\nGemma-2 B through vLLM's OffloadingConnector: tokens by source {src}, cached {out_b[0]['cached']}, "
-          f"A's tier {stored}, B's tier {tier_b}")
-    assert stored.get("vllm_tier_stored_chunks", 0) >= 8
+    r = share_through_tier(*offload_hybrid, 50, "Gemma-2")
+    assert r["stored"].get("vllm_tier_stored_chunks", 0) >= 8
     # the whole 1024-token prefix from the tier: both groups' chunks, pulled from node 1
-    assert src.get("external_kv_transfer", 0) == 1024 and out_b[0]["cached"] == 1024
-    assert tier_b.get("fetched_chunks_peer", 0) == tier_b.get("vllm_tier_loaded_chunks", -1) > 8
-    assert out_b[0]["ids"] == ref[0]["ids"] and out_b[0]["ids"] != out_a[0]["ids"]
+    assert r["src"].get("external_kv_transfer", 0) == 1024 and r["b"]["cached"] == 1024
+    assert r["tier_b"].get("fetched_chunks_peer", 0) == r["tier_b"].get("vllm_tier_loaded_chunks", -1) > 8
+    assert r["b"]["ids"] == r["ref"]["ids"] and r["b"]["ids"] != r["a"]["ids"]
 
 
 def test_a_killed_holder_turns_into_misses_without_hanging_the_scheduler(tiers, offload, vllm_mesh):

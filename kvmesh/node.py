@@ -19,8 +19,9 @@ which `kvmesh.start` runs as a threaded Ray actor (so a long pull never blocks a
     shutdown()                            mutates: unregisters, leaves the directory, frees the slab
 
 The node is a facade over parts that own their state: the tier `Cascade` and the pins (under `lock`), the
-`Registrar` (the single writer of the node's directory entries and lease), the `Janitor`, the `PullThrough`
-(with its own `Fetcher`), a `NodeView` of its peers, and the `DataServer`. Threads: Ray's request threads, the
+`Registrar` (the single writer of the node's directory entries and lease), the GPU-tier `Reservations` of
+same-node writers, the `Janitor`, the `PullThrough` (with its own `Fetcher`), a `NodeView` of its peers, and the
+`DataServer`. Threads: Ray's request threads, the
 registrar's, one maintenance thread (pin expiry, promotions, telemetry, the janitor), the disk I/O threads, and
 one device-checksum thread (`_devsum_loop`: the device checksums of CPU-slab chunks, which pins hand to readers so
 that a device sink verifies those chunks on the GPU; see tiers.cpu and tiers.devsum).
@@ -56,10 +57,10 @@ from kvmesh.nodeview import NodeView, TableFile
 from kvmesh.pullthrough import PullThrough
 from kvmesh.registrar import Registrar
 from kvmesh.replication import Replicas
+from kvmesh.reservations import Reservations
 from kvmesh.telemetry import RayExporter, Records, export_node_stats
 from kvmesh.tiers import TIER_DISK, TIER_NAMES, checksum
 from kvmesh.tiers.cpu import CpuTier
-from kvmesh.tiers.slots import StoreTicket
 from kvmesh.transport import DataClient, DataServer
 from kvmesh.wire import GpuReserved, NodeInfo, PinnedChunk, StoreItem, WireError
 from kvmesh.wire import PullThrough as PullRequest
@@ -110,9 +111,6 @@ class KVNode:
         # pin id -> (slab slots, GPU-tier slots, monotonic deadline)
         self._pins: dict[int, tuple[list[int], list[int], float]] = {}
         self._pin_ids = itertools.count(1)
-        # reservation id -> (GPU-tier tickets, one per chunk asked for or None, monotonic deadline)
-        self._reserved: dict[int, tuple[list[StoreTicket | None], float]] = {}
-        self._reserve_ids = itertools.count(1)
         cfg = self.config
         os.makedirs(cfg.shm_dir, exist_ok=True)
         remove_stale_slabs(cfg.shm_dir)
@@ -196,6 +194,9 @@ class KVNode:
                 self.data_server.shutdown()
             self.tier.close()
             raise
+        self.reservations = Reservations(
+            self.cascade, self.lock, self.stats_counts, self._post_changes, cfg.pin_ttl_s, self.info.slab_path
+        )
         self.janitor.purge_later([self.registrar.lease.previous])
         self._gpu_exports = self._export_gpu()
         # peers, for pull-throughs; each read also relayed to the clients on this node (nodeview.TableFile)
@@ -511,72 +512,17 @@ class KVNode:
 
     def reserve_gpu(self, items: list[StoreItem], requester: str = "") -> GpuReserved:
         """Slots in the GPU tier for chunks a same-node writer copies in device to device, evicting down the
-        cascade as a store does. None for a chunk held already, bigger than a slot, or without room (the writer
-        stores those through the host path). The slots stay reserved (pinned, unreadable) until `commit_gpu`, or
-        until `pin_ttl_s` has passed (`_expire_reservations`)."""
-        gpu = self.cascade.gpu
-        tickets: list[StoreTicket | None] = [None] * len(items)
-        if gpu is None:
-            return GpuReserved(0, [None] * len(items), self.info.slab_path)
-        with self.lock:
-            for idx in range(len(items) - 1, -1, -1):  # as a store: last first
-                it = items[idx]
-                if it.nbytes <= gpu.slot_bytes:
-                    tickets[idx] = self.cascade.prepare(it.key, it.group, it.nbytes)
-            rid = next(self._reserve_ids)
-            got = sum(t is not None for t in tickets)
-            if got:
-                self._reserved[rid] = (tickets, time.monotonic() + self.config.pin_ttl_s)
-            self.stats_counts["gpu_reserved_chunks"] += got
-            self.stats_counts["gpu_reserve_refused"] += len(items) - got
-            self._post_changes()  # the victims demoted for room
-        return GpuReserved(rid, [t.slot if t is not None else None for t in tickets], self.info.slab_path)
+        cascade as a store does (`reservations.Reservations`). None for a chunk held already, bigger than a slot,
+        or without room (the writer stores those through the host path)."""
+        return self.reservations.reserve(items)
 
     def commit_gpu(self, reservation_id: int, sums: list[int | None]) -> int:
-        """The writer's device sums of what it wrote into the reserved slots (None: not written). A slot whose
-        bytes match its sum becomes readable with that sum (the one its readers verify); the rest are released.
-        Returns once the chunks are registered, as `store` does."""
-        gpu = self.cascade.gpu
-        with self.lock:
-            entry = self._reserved.pop(reservation_id, None)
-            if entry is None:
-                self.stats_counts["gpu_commit_unknown"] += 1  # expired, or not ours
-                return 0
-        tickets = entry[0]
-        if len(sums) != len(tickets):
-            sums = [None] * len(tickets)  # a malformed commit: release all
-        assert gpu is not None  # (the reservation holds slots in it)
-        # the bytes as they are in the slot: a write that landed elsewhere (a stale mapping) is never registered
-        ok = [t is not None and s is not None and gpu.checksum_of(t.slot) == s for t, s in zip(tickets, sums)]
-        with self.lock:
-            for idx in range(len(tickets) - 1, -1, -1):  # last first, as a store
-                t, s = tickets[idx], sums[idx]
-                if t is None:
-                    continue
-                if ok[idx]:
-                    assert s is not None
-                    self.cascade.complete_device(t, s)
-                else:
-                    self.cascade.abort(t)
-                    self.stats_counts["store_d2d_mismatch" if s is not None else "store_d2d_not_written"] += 1
-            stored = sum(ok)
-            self.stats_counts["stored_chunks"] += stored
-            self.stats_counts["stored_chunks_d2d"] += stored
-            seq = self._post_changes()
-        self.registrar.wait(seq, REGISTER_WAIT_S)
+        """The writer's device sums of what it wrote into the reserved slots (None: not written). Returns once the
+        chunks that match are registered, as `store` does."""
+        stored, seq = self.reservations.commit(reservation_id, sums)
+        if seq:
+            self.registrar.wait(seq, REGISTER_WAIT_S)
         return stored
-
-    def _expire_reservations(self) -> None:
-        """Release GPU-tier reservations never committed (the writer died or gave up). A writer that still copies
-        into such a slot afterwards can only spoil the slot's next chunk's bytes, which its device sum then
-        refuses on every read (the TTL is pin_ttl_s, far longer than a copy)."""
-        now = time.monotonic()
-        with self.lock:
-            for rid in [r for r, (_, deadline) in self._reserved.items() if deadline < now]:
-                for t in self._reserved.pop(rid)[0]:
-                    if t is not None:
-                        self.cascade.abort(t)
-                self.stats_counts["gpu_reservations_expired"] += 1
 
     def _drop(self, keys: list[bytes]) -> None:
         """Forget corrupt chunks: out of every tier and out of the directory."""
@@ -605,7 +551,7 @@ class KVNode:
     def _maintain(self) -> None:
         while not self._stop.wait(self.config.heartbeat_s):
             self._expire_pins()
-            self._expire_reservations()
+            self.reservations.expire()
             self._run_promotions()
             self._publish()
             if self.fenced:

@@ -21,10 +21,10 @@ which `kvmesh.start` runs as a threaded Ray actor (so a long pull never blocks a
 The node is a facade over parts that own their state: the tier `Cascade` and the pins (under `lock`), the
 `Registrar` (the single writer of the node's directory entries and lease), the GPU-tier `Reservations` of
 same-node writers, the `Janitor`, the `PullThrough` (with its own `Fetcher`), a `NodeView` of its peers, and the
-`DataServer`. Threads: Ray's request threads, the
-registrar's, one maintenance thread (pin expiry, promotions, telemetry, the janitor), the disk I/O threads, and
-one device-checksum thread (`_devsum_loop`: the device checksums of CPU-slab chunks, which pins hand to readers so
-that a device sink verifies those chunks on the GPU; see tiers.cpu and tiers.devsum).
+`DataServer`. Threads: Ray's request threads, the registrar's, one maintenance thread (pin expiry, promotions,
+telemetry, the janitor), the disk I/O threads, and one device-checksum thread (`_devsum_loop`: the device
+checksums of CPU-slab chunks, which pins hand to readers so that a device sink verifies those chunks on the GPU;
+see tiers.cpu and tiers.devsum).
 """
 
 from __future__ import annotations

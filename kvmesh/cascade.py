@@ -339,7 +339,8 @@ class Cascade:
     def run_reads(self, reads: list[DiskRead]) -> list[bool]:
         """Do the disk reads of `prepare_host` (blocking I/O: call it without the node's lock): on the disk tier's
         reader threads, several in flight, each chunk verified as it lands in its reserved CPU slot. A chunk whose
-        bytes fail their checksum is dropped from the disk tier for good (its commit record is erased)."""
+        bytes fail their checksum is dropped from the disk tier for good (its commit record is erased); one whose
+        read fails is dropped too (`discard_corrupt`)."""
         from kvmesh.tiers.disk import READ_CORRUPT, READ_OK, ChunkRead
 
         if not reads:
@@ -355,8 +356,9 @@ class Cascade:
                 except OSError:  # the record stays; the chunk is dropped from the tier below all the same
                     pass
                 self._corrupt.append(r.key)
-            elif outcome != READ_OK:
-                self.counts["disk_read_errors"] += 1
+            elif outcome != READ_OK:  # an I/O error (a bad sector): a copy that cannot be read is no copy, and
+                self.counts["disk_read_errors"] += 1  # one left listed would be found, and missed, by every lookup
+                self._corrupt.append(r.key)
         return [o == READ_OK for o in outcomes]
 
     def pin_host(self, keys: list[bytes]) -> list[int]:

@@ -425,6 +425,10 @@ class KVMeshClient:
         if st.corrupt:
             self.counts["fetch_checksum_failures"] += st.corrupt
         if got < n:
+            now = time.monotonic()  # what did not arrive is not cached for this worker's store: it recomputes and
+            for c in match.chunks[got:]:  # stores it (a holder that failed may stay listed until its lease lapses)
+                if c.hash in self._seen:
+                    self._seen[c.hash] = (False, now)
             self.counts["fetch_truncated"] += 1
             self.counts[f"miss_{st.error}"] += 1
             self.counts[f"pull_failure_{st.error}"] += 1

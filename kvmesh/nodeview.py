@@ -76,11 +76,14 @@ class NodeView:
         return time.monotonic() - self._at
 
     def info(self, node_id: str, incarnation: int = 0) -> NodeInfo | None:
-        """`incarnation`: the one a lookup named; a table that knows another one (or none) is read again first."""
-        found = self.table().by_node().get(node_id) if self.age_s <= self.max_age_s else None
-        if found is None or (incarnation and found.incarnation != incarnation):  # (a restarted node moved)
-            self.refresh()
-            found = self.table().by_node().get(node_id)
+        """`incarnation`: the one a lookup named; a table that knows another one (or none) is read again first,
+        unless the directory failed moments ago (the breaker is open). A table that only aged is not: its leases
+        are judged on this clock (`table`), and the background refresh keeps it; a fetch never waits on a directory
+        that does not answer, once per run, past its deadline."""
+        found = self.table().by_node().get(node_id)
+        if (found is None or (incarnation and found.incarnation != incarnation)) and self.allow():
+            if self.refresh():  # (a restarted node moved, or one joined since)
+                found = self.table().by_node().get(node_id)
         return found
 
     def refresh(self, direct: bool = False) -> bool:

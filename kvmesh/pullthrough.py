@@ -143,8 +143,9 @@ class PullThrough:
         asked = keys
         with self._lock:
             keep = replicas.admit(readers, req.nbytes, len(keys))
-            # chunks not kept are never registered, and are dropped once their readers unpin them
-            replicas.mark_transient(keys[keep:], req.group, req.nbytes)
+            # chunks not kept are never registered, and are dropped once their readers unpin them; not those a
+            # store placed here meanwhile (the readers' count above is a Redis round trip): those stay registered
+            replicas.mark_transient([k for k in keys[keep:] if not node.cascade.holds(k)], req.group, req.nbytes)
             direct = node.cascade.top is node.tier and req.nbytes <= node.tier.slot_bytes
             if direct:
                 tickets = []

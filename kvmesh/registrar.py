@@ -5,6 +5,7 @@
                                Newer changes to a chunk replace older ones still queued
     wait(seq, timeout) -> bool reads: until every change posted up to `seq` was sent (False: not yet, e.g. Redis
                                is away; they stay queued and are sent when it answers)
+    reaching                   reads: whether the last round reached Redis (a store waits for `wait` only then)
     flush(timeout) -> bool     reads: until nothing is queued or being sent
     lease, fenced              reads: the incarnation this node registers under; whether a newer one exists
     shutdown(held)             mutates: unregisters `held`, leaves the directory, stops the thread
@@ -71,6 +72,7 @@ class Registrar:
         self._reregister = False  # everything held must be registered afresh (after a re-join, or a failed one)
         self._next_heartbeat = time.monotonic() + heartbeat_s
         self._retry_at = 0.0
+        self._failing = False  # the last round failed to reach Redis (cleared by the next round that does)
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="kvmesh-node-registrar", daemon=True)
         self._thread.start()
@@ -87,7 +89,7 @@ class Registrar:
     def wait(self, seq: int, timeout: float) -> bool:
         end = time.monotonic() + timeout
         with self._cv:
-            while self._sent < seq and not self._stop:
+            while self._sent < seq and not self._stop and not self._failing:
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -112,6 +114,12 @@ class Registrar:
             self._cv.notify()
 
     @property
+    def reaching(self) -> bool:
+        """Whether the last round reached Redis: a writer that waits for its changes to be sent (`wait`) need not
+        while it does not (they stay queued and go out when Redis answers)."""
+        return not self._failing
+
+    @property
     def pending(self) -> bool:
         with self._cv:
             return bool(self._queued or self._sending or self._reregister)
@@ -131,7 +139,11 @@ class Registrar:
                 if self._reregister:
                     self._register_all()
                 self._send()
+                self._failing = False
             except redis.RedisError as e:
+                with self._cv:
+                    self._failing = True
+                    self._cv.notify_all()  # (writers waiting for this round stop waiting)
                 self._count("directory_errors")
                 self._retry_at = time.monotonic() + RETRY_S
                 log.debug("KVNode %s: directory write failed (%s); will retry", self.info.node_id[:8], e)

@@ -127,7 +127,8 @@ class Replicas:
 
     def drop_unpinned(self, keys, cascade) -> int:
         """Forget (here and in `cascade`'s tiers) the transient chunks among `keys` that no reader pins; returns
-        how many. Their discards make no directory change: they were never registered."""
+        how many. Their discards go to the directory as any chunk's that leaves (an unregister of what was never
+        registered changes nothing): were one registered after all, its entry would otherwise outlive it."""
         dropped = 0
         for key in keys:
             entry = self._transient.get(key)
@@ -135,7 +136,6 @@ class Replicas:
                 continue
             del self._transient[key]
             cascade.discard(key)
-            cascade.changes.pop((entry[0], key), None)
             dropped += 1
         return dropped
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 
 import numpy as np
@@ -235,9 +236,10 @@ class StoreQueue:
         with self._lock:
             pending, self._pending = self._pending, []
         stored = 0
+        end = time.monotonic() + timeout_s  # one deadline for them all, not timeout_s each
         for p in pending:
             try:
-                stored += p.result(timeout_s)
+                stored += p.result(max(0.0, end - time.monotonic()))
             except (NodeCallError, TimeoutError, WireError):
                 self.counts["store_failures"] += 1
         return stored

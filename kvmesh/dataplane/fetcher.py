@@ -67,6 +67,9 @@ class Fetcher:
         stats: list[RunStats] = []
         try:
             for r, k in zip(runs, kinds):
+                if time.monotonic() >= opts.deadline:  # (beginning a run can wait: a holder's address, a pin)
+                    transfers.append(sources.Failed(r, sink, k, "deadline"))
+                    continue
                 transfers.append(
                     sources.begin(env, r, k, sink, opts.chunk_bytes, opts.deadline, opts.group, opts.transport)
                 )

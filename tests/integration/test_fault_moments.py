@@ -1,0 +1,217 @@
+"""Faults at moments the other fault tests do not reach: the directory hangs between a lookup and its fetch, or
+while stores come in; a holder goes away between a lookup and its fetch and the worker stores what it recomputed.
+Real redis-server (stopped with SIGSTOP: a hang, not a refused connection), KVNode objects in this process."""
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import replace
+
+import pytest
+import redis
+import torch
+
+from kvmesh.client import connect_local
+from kvmesh.config import KVMeshConfig
+from kvmesh.node import KVNode
+from kvmesh.spec import KVSpec
+
+SPEC = KVSpec("fault-moments-model", 2, 2, 16, "float16", chunk_tokens=16)
+CH = SPEC.chunk_tokens
+
+
+@pytest.fixture
+def cfg(private_redis, tmp_path):
+    redis.Redis.from_url(private_redis.url).flushall()
+    return KVMeshConfig(redis_url=private_redis.url, key_prefix="fm", cpu_bytes=64 * SPEC.chunk_bytes,
+                        slot_bytes=SPEC.chunk_bytes, lease_s=2.0, heartbeat_s=0.2, node_refresh_s=0.2,
+                        fetch_timeout_s=5.0, shm_dir=str(tmp_path))
+
+
+@pytest.fixture
+def nodes(cfg):
+    made = []
+
+    def make(name: str) -> KVNode:
+        made.append(KVNode(cfg, name * 32, f"kvnode-{name}"))
+        return made[-1]
+
+    yield make
+    for n in made:
+        n.shutdown()
+
+
+@contextlib.contextmanager
+def hung(server):
+    """The directory's server stops answering (its connections stay open), and answers again after."""
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+
+
+def prompt(seed: int, chunks: int) -> tuple[list[int], torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, 30000, (chunks * CH + 3,), generator=g).tolist()
+    return toks, torch.randn(SPEC.kv_shape(len(toks)), generator=g).to(torch.float16)
+
+
+def test_a_fetch_keeps_its_deadline_while_the_directory_hangs_and_each_run_goes_to_a_peer(private_redis, nodes):
+    # one run per chunk (pull_batch_bytes: one chunk, as the default 32 MiB gives for real chunk sizes): before,
+    # every run asked the directory for the holder's address and waited for it, and the fetch took 8 s, not 1
+    a, b = nodes("a"), nodes("b")
+    writer, reader = connect_local(SPEC, a), connect_local(SPEC, b, peers=[a], pull_batch_bytes=SPEC.chunk_bytes)
+    try:
+        toks, kv = prompt(1, 16)
+        writer.store(toks, kv)
+        writer.flush()
+        match = reader.lookup(toks, cost_model=False)
+        assert match.num_chunks == 16
+        with hung(private_redis):
+            time.sleep(1.0)  # every table here is older than node_refresh_s now
+            t0 = time.monotonic()
+            got = reader.fetch(match, deadline_s=1.0)
+            took = time.monotonic() - t0
+        assert took < 1.8, f"a fetch with a 1-s deadline took {took:.2f} s"
+        assert got.shape[2] == 16 * CH and torch.equal(got, kv[:, :, : 16 * CH])  # the peer still answers
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_stores_return_at_once_while_the_directory_hangs_and_are_registered_when_it_answers(private_redis, nodes):
+    # a store waits until its chunks are registered, but not on a directory that does not answer: before, each
+    # store held the caller (and, in Ray, one of the node's request threads) for 3 s
+    a = nodes("a")
+    client = connect_local(SPEC, a)
+    try:
+        prompts = [prompt(10 + i, 4) for i in range(4)]
+        with hung(private_redis):
+            took = []
+            for toks, kv in prompts:
+                t0 = time.monotonic()
+                assert client.store(toks, kv) == 4
+                took.append(time.monotonic() - t0)
+        assert sum(took) < 4.0 and max(took[1:]) < 0.5, f"stores took {[round(t, 2) for t in took]} s"
+        # nothing was lost: once the directory answers, every chunk is registered and found
+        deadline = time.monotonic() + 10
+        while any(client.lookup(t, cost_model=False).num_chunks < 4 for t, _ in prompts):
+            assert time.monotonic() < deadline, "the stores made while the directory hung were never registered"
+            time.sleep(0.1)
+        for toks, kv in prompts:
+            assert torch.equal(client.fetch(client.lookup(toks, cost_model=False)), kv[:, :, : 4 * CH])
+        a.check_integrity(directory=True)
+    finally:
+        client.close()
+
+
+def test_what_a_fetch_did_not_get_is_stored_again_by_the_worker_that_recomputed_it(nodes):
+    # the lookup saw the chunks cached on A; A left before the fetch. A store right after a lookup trusts what the
+    # lookup saw (no second round trip): it must not trust it for the chunks the fetch failed to get
+    a, b = nodes("a"), nodes("b")
+    writer, reader = connect_local(SPEC, a), connect_local(SPEC, b, peers=[a])
+    try:
+        toks, kv = prompt(2, 6)
+        writer.store(toks, kv)
+        writer.flush()
+        match = reader.lookup(toks, cost_model=False)
+        assert match.num_chunks == 6
+        a.shutdown()
+        assert reader.fetch(match).shape[2] == 0
+        assert reader.store(toks, kv) == 6  # recomputed, and kept on this node
+        reader.flush()
+        again = reader.lookup(toks, cost_model=False)
+        assert again.num_chunks == 6 and {c.node_id for c in again.chunks} == {b.node_id}
+        assert torch.equal(reader.fetch(again), kv[:, :, : 6 * CH])
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_store_that_lands_while_a_pull_through_counts_its_readers_stays_registered_and_held(cfg, nodes):
+    # replicate_min_readers=2: a first pull-through of a prompt keeps nothing (its chunks are transient: never
+    # registered, dropped at the reader's unpin). A store of the same chunks on the same node, landing during the
+    # readers' count (a Redis round trip), was marked transient too: dropped at the unpin, its entries left behind
+    a = KVNode(cfg, "a" * 32, "kvnode-a")
+    b = KVNode(replace(cfg, coalesce_pulls=True, replicate_min_readers=2), "b" * 32, "kvnode-b")
+    writer = connect_local(SPEC, a)
+    reader = connect_local(SPEC, b, peers=[a])
+    same_node = connect_local(SPEC, b)
+    try:
+        toks, kv = prompt(3, 4)
+        writer.store(toks, kv)
+        writer.flush()
+        hashes = reader.hashes(toks)
+        count_readers, stored = b.replicas.readers, []
+
+        def readers_then_a_store_lands(group):
+            n = count_readers(group)
+            if not stored:
+                chunks = [kv[:, :, i * CH : (i + 1) * CH] for i in range(len(hashes))]
+                same_node.stores.submit(hashes[0], hashes, chunks)
+                stored.append(same_node.flush())
+            return n
+
+        b.replicas.readers = readers_then_a_store_lands
+        got = reader.fetch(reader.lookup(toks, cost_model=False))
+        assert stored == [4] and torch.equal(got, kv[:, :, : 4 * CH])
+        b.check_integrity(directory=True)  # what B holds is listed, and nothing else
+        a.shutdown()
+        again = reader.lookup(toks, cost_model=False)
+        assert again.num_chunks == 4 and torch.equal(reader.fetch(again), kv[:, :, : 4 * CH])
+    finally:
+        for c in (writer, reader, same_node):
+            c.close()
+        for n in (a, b):
+            n.shutdown()
+
+
+def test_a_disk_chunk_that_cannot_be_read_is_dropped_and_the_prompt_cached_again(cfg, tmp_path):
+    # a bad sector under one chunk's slot (EIO on read): before, the copy stayed listed, every lookup found it,
+    # every fetch missed it, and the recomputed store was skipped ("cached"): the prompt could never be cached again
+    import errno
+
+    c = replace(cfg, cpu_bytes=4 * SPEC.chunk_bytes, disk_dir=str(tmp_path / "disk"), disk_bytes=32 * SPEC.chunk_bytes,
+                disk_direct_io=False)
+    a = KVNode(c, "a" * 32, "kvnode-a")
+    client = connect_local(SPEC, a)
+    try:
+        toks, kv = prompt(4, 3)
+        client.store(toks, kv)
+        client.flush()
+        for i in range(3):  # three more prompts push it out of the 4-slot CPU tier onto disk
+            more, more_kv = prompt(40 + i, 3)
+            client.store(more, more_kv)
+            client.flush()
+        key = client.hashes(toks)[0]
+        deadline = time.monotonic() + 10
+        while True:
+            with a.lock:
+                bad = a.cascade.disk.slot_of(key)
+                in_cpu = a.tier.slot_of(key)
+            if bad is not None and in_cpu is None:
+                break
+            assert time.monotonic() < deadline, "the chunk never reached the disk tier alone"
+            time.sleep(0.05)
+        read = a.cascade.disk.read_chunk
+
+        def bad_sector(slot, nbytes, into=None):
+            if slot == bad:
+                raise OSError(errno.EIO, "Input/output error")
+            return read(slot, nbytes, into)
+
+        a.cascade.disk.read_chunk = bad_sector
+        match = client.lookup(toks, cost_model=False)
+        assert match.num_chunks == 3
+        assert client.fetch(match).shape[2] == 0  # the first chunk cannot be read
+        assert a.stats()["disk_read_errors"] == 1
+        assert client.store(toks, kv) == 3  # (the fetch got none of them: the worker recomputed all three)
+        client.flush()
+        again = client.lookup(toks, cost_model=False)
+        assert again.num_chunks == 3 and torch.equal(client.fetch(again), kv[:, :, : 3 * CH])
+        a.check_integrity(directory=True)
+    finally:
+        client.close()
+        a.shutdown()

@@ -278,14 +278,20 @@ class Cascade:
 
     # -- reading ------------------------------------------------------------------------------------------------
     def prepare_host(self, keys: list[bytes]) -> tuple[int, list[DiskRead]]:
+        """Bring the leading run of `keys` into the CPU slab (GPU-tier copies at once, disk reads queued for
+        `run_reads`); returns how many lead and the reads. Room is made by evicting anything but the run staged so
+        far: neither its earlier chunks (a copy of chunk k once evicted chunks 0..k-1 of the same read, which then
+        pinned nothing) nor, by protecting keys not reached yet, every slot (a later chunk already in the slab
+        kept the first from ever getting one)."""
         n, reads = 0, []
         for key in keys:
+            protect = frozenset(keys[: n + 1])
             if self.cpu.slot_of(key) is not None:
                 pass
             elif self.gpu is not None and (gslot := self.gpu.slot_of(key)) is not None:
                 self.gpu._slots[gslot].pins += 1  # keep it while copying
                 try:
-                    copied = self._copy(self.gpu, gslot, self.cpu)
+                    copied = self._copy(self.gpu, gslot, self.cpu, protect)
                 finally:
                     self.gpu._slots[gslot].pins -= 1
                 if copied is None:
@@ -294,7 +300,7 @@ class Cascade:
             elif key in self._pending:  # on its way to disk: serve it from the write-back buffer
                 job = self._pending[key]
                 t = self.cpu.prepare_store(
-                    key, job.group, job.nbytes, on_evict=self._evicting(self.cpu), protect=frozenset(keys)
+                    key, job.group, job.nbytes, on_evict=self._evicting(self.cpu), protect=protect
                 )
                 if t is None:
                     break
@@ -305,7 +311,7 @@ class Cascade:
             elif self.disk is not None and (dslot := self.disk.slot_of(key)) is not None:
                 rec = self.disk.record(dslot)
                 t = self.cpu.prepare_store(
-                    key, rec.group, rec.nbytes, on_evict=self._evicting(self.cpu), protect=frozenset(keys)
+                    key, rec.group, rec.nbytes, on_evict=self._evicting(self.cpu), protect=protect
                 )
                 if t is None:
                     break

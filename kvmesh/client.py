@@ -63,6 +63,7 @@ log = logging.getLogger("kvmesh.client")
 DIRECTORY_RETRY_S = 5.0  # after a directory call failed, calls fail fast this long (or until a node-table read works)
 SEEN_TTL_S = 30.0  # what a lookup saw of a prompt's chunks spares its store the directory round trip this long
 MAX_SEEN = 4096  # hashes remembered per client (a store follows its lookup closely): ~1 MiB at most
+MAX_DEADLINE_S = 86400.0  # a fetch deadline longer than a day is a mistake (threading waits overflow near 1e10 s)
 PULL_THREADS = 8  # concurrent peer receives of one client (runs from different holders, batches of one)
 
 # Slab and object-store buffers are read-only; torch warns when wrapping them. We only ever read them.
@@ -321,6 +322,8 @@ class KVMeshClient:
 
     # -- fetch --------------------------------------------------------------------------------------------------
     def _check_match(self, match) -> None:
+        if self._closed.is_set():  # (its fetch threads are gone)
+            raise ValueError("fetch on a closed KVMeshClient")
         if not isinstance(match, Match):
             raise TypeError(f"match must be a kvmesh Match from lookup(), got {type(match).__name__}")
         if match.namespace != self.spec.namespace or match.chunk_tokens != self.spec.chunk_tokens:
@@ -328,9 +331,11 @@ class KVMeshClient:
 
     def _options(self, match: Match, deadline_s) -> FetchOptions:
         if deadline_s is not None and (
-            isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or deadline_s <= 0
+            isinstance(deadline_s, bool)
+            or not isinstance(deadline_s, (int, float))
+            or not 0 < deadline_s <= MAX_DEADLINE_S  # (nan and inf too: no wait takes them)
         ):
-            raise ValueError(f"deadline_s must be a positive number, got {deadline_s!r}")
+            raise ValueError(f"deadline_s must be a number of seconds in (0, {MAX_DEADLINE_S:g}], got {deadline_s!r}")
         c = self.config
         return FetchOptions(
             self.spec.chunk_bytes,
@@ -599,10 +604,13 @@ class KVMeshClient:
     # -- background ---------------------------------------------------------------------------------------------
     def _refresh_loop(self) -> None:
         while not self._closed.wait(self.config.node_refresh_s):
-            self.view.refresh()
-            if len(self._orphans):
-                self._orphans.reap()
-            self._flush_telemetry()
+            try:
+                self.view.refresh()
+                if len(self._orphans):
+                    self._orphans.reap()
+                self._flush_telemetry()
+            except Exception as e:  # never let the refresher die: the node table would freeze with it
+                log.exception("kvmesh client: background refresh failed: %s", e)
 
     def _flush_telemetry(self) -> None:
         samples, self._samples = self._samples, []

@@ -200,9 +200,10 @@ class ClientExporter:
         self._lock = threading.Lock()
 
     def flush(self, counts: Counter, samples: list, events: list) -> None:
+        now = dict(counts)  # one copy (in C, under the GIL): other threads add counters while this runs
         with self._lock:
-            deltas = {k: v - self._last.get(k, 0) for k, v in counts.items() if v != self._last.get(k, 0)}
-            self._last = Counter(counts)
+            deltas = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
+            self._last = Counter(now)
         for k, v in deltas.items():
             if k in CLIENT_EXPORTS:
                 name, tags = CLIENT_EXPORTS[k]

@@ -34,6 +34,7 @@ from kvmesh.wire import WireError, pack_chunk_header, pack_keys, unpack_chunk_he
 log = logging.getLogger("kvmesh.transport")
 _LEN = struct.Struct("<I")
 MAX_FRAME = 1 << 24
+ACCEPT_RETRY_S = 0.05  # after a failed accept (e.g. EMFILE), the server tries again this much later
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -78,8 +79,14 @@ class DataServer:
         while not self._stop.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return
+            except OSError as e:
+                if self._stop.is_set():
+                    return  # (shutdown closed the listener)
+                # out of file descriptors for a moment, a connection reset before it was accepted: the server
+                # keeps serving (its node stays listed; a server that stopped would time out every peer's fetch)
+                log.warning("data server %s: accept failed (%s); accepting again", self.address, e)
+                self._stop.wait(ACCEPT_RETRY_S)
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._conns.add(conn)
@@ -100,7 +107,7 @@ class DataServer:
                         self.bytes_sent += len(v)
                 finally:
                     self._unpin(slots)
-        except (WireError, OSError) as e:
+        except (WireError, OSError, ValueError) as e:  # (ValueError: the slab was unmapped by a shutdown meanwhile)
             log.debug("data connection closed: %s", e)
         finally:
             with self._lock:

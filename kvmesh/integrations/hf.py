@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,14 +51,65 @@ transformers = require("transformers", "hf", __name__)
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """BLAKE2b-64 over every parameter and buffer (name, dtype, shape, bytes): a revision id for weights that
-    have none. Reads all weights once; pass `model_id` with a real revision to skip it for big models."""
+    """BLAKE2b-64 over every parameter and buffer (name, dtype, shape, bytes; non-persistent buffers such as RoPE's
+    `inv_freq` too) and over the model's config: a revision id for a model that has none. The config counts because
+    the same weights give other K/V under another RoPE theta or scaling, norm epsilon, window, or multiplier. Reads
+    all weights once; pass `model_id` with a real revision to skip it for big models."""
     h = hashlib.blake2b(digest_size=8, person=b"kvmesh.weights")
-    for name, t in model.state_dict().items():
+    tensors = dict(model.state_dict())
+    tensors.update((f"buffer:{name}", b) for name, b in model.named_buffers() if name not in tensors)
+    for name, t in tensors.items():
         t = t.detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # (0-d buffers too)
+    h.update(b"config|" + config_fingerprint(model.config).encode())
     return h.hexdigest()
+
+
+# Config fields that name, label or steer a run without changing any layer's K/V: left out of the fingerprint, so
+# that the same model loaded from another path, by another transformers, or with another attention backend (equal
+# within dtype tolerance) still shares its KV. Everything else counts: an unknown field makes a miss, never a
+# wrong hit.
+_CONFIG_NOT_KV = frozenset(
+    {
+        "_name_or_path",
+        "name_or_path",
+        "transformers_version",
+        "_commit_hash",
+        "architectures",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "id2label",
+        "label2id",
+        "_attn_implementation",
+        "_attn_implementation_internal",
+        "_attn_implementation_autoset",
+        "_experts_implementation",
+        "max_length",
+        "min_length",
+        "problem_type",
+        "task_specific_params",
+    }
+)
+
+
+def config_fingerprint(config) -> str:
+    """BLAKE2b-64 of the model config's fields that can change K/V (all but `_CONFIG_NOT_KV`), in canonical JSON."""
+
+    def strip(d):
+        if isinstance(d, dict):
+            return {k: strip(v) for k, v in d.items() if k not in _CONFIG_NOT_KV}
+        if isinstance(d, (list, tuple)):
+            return [strip(v) for v in d]
+        return d
+
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    text = json.dumps(strip(d), sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=8, person=b"kvmesh.config").hexdigest()
 
 
 class UnsupportedModel(ValueError):
@@ -89,6 +141,13 @@ def check_supported(model) -> None:
         )
     if not isinstance(getattr(cfg, "num_hidden_layers", None), int):
         raise UnsupportedModel(f"{kind}: its config has no num_hidden_layers: not a decoder this integration knows")
+    if not isinstance(getattr(cfg, "num_attention_heads", None), int):
+        raise UnsupportedModel(f"{kind}: its config has no num_attention_heads: a model without attention KV")
+    if getattr(cfg, "num_kv_shared_layers", 0):
+        raise UnsupportedModel(
+            f"{kind}: its last {cfg.num_kv_shared_layers} layers reuse earlier layers' K/V "
+            "(config.num_kv_shared_layers): the cache holds fewer layers than the model has"
+        )
 
 
 def _geometry(model, tp_size: int = 1) -> tuple[int, int, int, str]:
@@ -115,6 +174,9 @@ def _check_spec(model, spec: KVSpec) -> None:
 def _check_cache(cache, spec: KVSpec, num_tokens: int) -> None:
     """The computed cache holds, in every layer, K and V of the spec's shape; else nothing may be stored."""
     want = (1, spec.num_kv_heads, num_tokens, spec.head_dim)
+    held = len(cache.layers) if hasattr(cache, "layers") else len(cache.key_cache)
+    if held != spec.num_layers:
+        raise UnsupportedModel(f"the cache holds {held} layers, the spec {spec.num_layers}: its KV cannot be stored")
     for layer in range(spec.num_layers):
         k, v = _layer_kv(cache, layer)
         if tuple(k.shape) != want or tuple(v.shape) != want:

@@ -215,3 +215,14 @@ def test_a_disk_chunk_that_cannot_be_read_is_dropped_and_the_prompt_cached_again
     finally:
         client.close()
         a.shutdown()
+
+
+def test_a_fetch_on_a_closed_client_says_so(nodes):
+    client = connect_local(SPEC, nodes("a"))
+    toks, kv = prompt(5, 2)
+    client.store(toks, kv)
+    client.flush()
+    match = client.lookup(toks, cost_model=False)
+    client.close()
+    with pytest.raises(ValueError, match="closed"):  # (was: "cannot schedule new futures after shutdown")
+        client.fetch(match)

@@ -199,8 +199,9 @@ def test_bad_inputs_raise_typed_errors(mesh):
         with pytest.raises(ValueError, match="KVSpec"):
             c.fetch(other.lookup(toks))
         other.close()
-        with pytest.raises(ValueError, match="deadline_s"):
-            c.fetch(c.lookup(toks), deadline_s=-1)
+        for deadline in (-1, 0, float("inf"), float("nan"), 1e12):  # (inf once overflowed a wait, uncaught)
+            with pytest.raises(ValueError, match="deadline_s"):
+                c.fetch(c.lookup(toks), deadline_s=deadline)
         for device in ("bogus", None, "meta"):  # (and "cuda" on a machine without CUDA)
             with pytest.raises(ValueError, match="device"):
                 c.fetch(c.lookup(toks), device=device)

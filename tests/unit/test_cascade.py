@@ -145,3 +145,42 @@ def test_a_failed_disk_write_drops_the_chunk_and_says_so(three_tiers):
     c.finish_write(job, False)
     assert c.best_tier(k(1)) is None and c.drain() == {(G, k(1)): None}
     assert c.counts["disk_write_errors"] == 1
+
+
+def test_a_read_longer_than_the_slab_gets_its_leading_chunks_from_the_gpu_tier(tmp_path):
+    # 6 chunks in the GPU tier, 3 slots in the slab: copying chunk k up once evicted chunks 0..k-1 of the same
+    # read, and the read pinned nothing
+    cpu = CpuTier(str(tmp_path / "slab"), 3, SLOT)
+    c = Cascade(cpu, GpuTier(6, SLOT, device=DEVICE))
+    try:
+        for i in range(6):
+            put(c, i)
+        slots = c.pin_host([k(i) for i in range(6)])
+        assert [bytes(c.cpu.chunk_view(s)) for s in slots] == [bytes([i]) * SLOT for i in range(3)]
+        c.cpu.unpin(slots)
+        c.check_integrity(verify_checksums=True)
+    finally:
+        cpu.close()
+
+
+def test_chunks_of_a_prompt_already_in_the_slab_do_not_keep_its_first_chunk_out(tmp_path):
+    # a 2-slot slab over disk; a read of chunks 3 and 4 left them in the slab. A read of the whole prompt then
+    # protected every key it named, 3 and 4 among them: chunk 1 found no slot to evict, and the read got nothing
+    from kvmesh.tiers.disk import DiskTier
+
+    cpu, disk = CpuTier(str(tmp_path / "slab"), 2, SLOT), DiskTier(str(tmp_path / "disk"), 8, SLOT)
+    c = Cascade(cpu, None, disk)
+    try:
+        for i in (1, 2, 3, 4, 5, 6):
+            put_cpu(c, i)
+            run_writes(c)
+        c.cpu.unpin(c.pin_host([k(3), k(4)]))
+        run_writes(c)
+        slots = c.pin_host([k(i) for i in (1, 2, 3, 4, 5, 6)])
+        assert [bytes(c.cpu.chunk_view(s)) for s in slots] == [bytes([1]) * SLOT, bytes([2]) * SLOT]
+        c.cpu.unpin(slots)
+        run_writes(c)
+        c.check_integrity(verify_checksums=True)
+    finally:
+        cpu.close()
+        disk.close()

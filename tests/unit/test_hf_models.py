@@ -68,3 +68,41 @@ def test_a_client_whose_spec_is_not_the_models_geometry_is_refused_before_its_fi
 
         with pytest.raises(ValueError, match="is not the model's"):
             generate(m, list(range(3, 30)), 2, client=Untouched())
+
+
+def test_models_without_attention_kv_or_with_layers_that_share_kv_are_refused_by_name():
+    import transformers as tf
+
+    rwkv = tf.RwkvForCausalLM(tf.RwkvConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                            attention_hidden_size=64, intermediate_size=128)).eval()
+    with pytest.raises(UnsupportedModel, match="rwkv.*num_attention_heads"):
+        spec_for_model(rwkv, chunk_tokens=8)
+    # Gemma-3n: its last num_kv_shared_layers layers read earlier layers' K/V, and its cache holds fewer layers
+    cfg = tf.Gemma3nTextConfig(vocab_size=256, vocab_size_per_layer_input=256, hidden_size=64,
+                               hidden_size_per_layer_input=16, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, intermediate_size=128, sliding_window=40,
+                               layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                               laurel_rank=8, altup_num_inputs=2, initializer_range=0.2,
+                               activation_sparsity_pattern=[0.0] * 4)
+    torch.manual_seed(3)
+    gemma3n = tf.Gemma3nForCausalLM(cfg).eval()
+    with pytest.raises(UnsupportedModel, match="gemma3n.*num_kv_shared_layers"):
+        spec_for_model(gemma3n, chunk_tokens=8)
+
+
+@pytest.mark.parametrize("change", [{"rope_theta": 5000.0}, {"rms_norm_eps": 1e-2},
+                                    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}])
+def test_the_same_weights_under_another_config_that_changes_kv_get_another_spec(change):
+    # spec_for_model names a model without a revision by a fingerprint of its weights: it must cover the config
+    # too, or one model reuses the other's KV (measured before: other greedy tokens, logits 5.0 apart)
+    import transformers as tf
+
+    base = dict(COMMON, num_hidden_layers=2)
+    torch.manual_seed(0)
+    a = tf.LlamaForCausalLM(tf.LlamaConfig(**base)).eval()
+    b = tf.LlamaForCausalLM(tf.LlamaConfig(**base, **change)).eval()
+    b.load_state_dict(a.state_dict())
+    assert spec_for_model(a, chunk_tokens=8) != spec_for_model(b, chunk_tokens=8)
+    c = tf.LlamaForCausalLM(tf.LlamaConfig(**base, attn_implementation="eager")).eval()  # same K/V: same spec
+    c.load_state_dict(a.state_dict())
+    assert spec_for_model(a, chunk_tokens=8) == spec_for_model(c, chunk_tokens=8)

@@ -1,0 +1,50 @@
+"""The data server keeps serving after an accept that failed (out of file descriptors for a moment): before, its
+accept thread returned, and the node stayed listed while every peer's fetch from it timed out."""
+
+import errno
+import socket
+import time
+
+import numpy as np
+import xxhash
+
+from kvmesh.transport import DataClient, DataServer
+
+CHUNK = np.arange(256, dtype=np.uint8)
+
+
+class FailsOnce:
+    """The server's listening socket, whose next accept fails with EMFILE once."""
+
+    def __init__(self, real: socket.socket) -> None:
+        self.real, self.failed = real, False
+
+    def accept(self):
+        if not self.failed:
+            self.failed = True
+            raise OSError(errno.EMFILE, "Too many open files")
+        return self.real.accept()
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def test_a_failed_accept_does_not_stop_the_data_server():
+    server = DataServer(lambda keys, requester: ([0], [(CHUNK.nbytes, xxhash.xxh3_64_intdigest(CHUNK))],
+                                                 [memoryview(CHUNK)]), lambda slots: None)
+    client = DataClient()
+    try:
+        server._listener = FailsOnce(server._listener)
+        host, port = server.address.rsplit(":", 1)
+        socket.create_connection((host, int(port))).close()  # accepted by the accept already waiting; the next fails
+        deadline = time.monotonic() + 5
+        while not server._listener.failed:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        out = np.zeros(256, dtype=np.uint8)
+        got, err = client.pull(server.address, [b"k" * 16], 256, lambda j: [out], time.monotonic() + 5)
+        assert (got, err) == (1, None) and np.array_equal(out, CHUNK)
+        assert server._thread.is_alive()
+    finally:
+        client.close()
+        server.shutdown()

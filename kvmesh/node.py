@@ -718,6 +718,7 @@ class KVNode:
                 pinned=sum(len(s) + len(g) for s, g, _ in self._pins.values()),
                 fenced=self.fenced,
                 slab_devsums_queued=self.tier.devsum_queued() + self._devsum_busy,
+                slab_unbacked_refusals=self.tier.unbacked_refusals,
             )
             disk = self.cascade.disk
             if disk is not None:

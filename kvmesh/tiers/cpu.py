@@ -107,10 +107,14 @@ class CpuTier(SlotPool):
         self._generation = [0] * num_slots  # per slot: how many times it was taken for new bytes
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, num_slots * slot_bytes)
+            os.ftruncate(fd, num_slots * slot_bytes)  # sparse: each slot is given its memory when first used
             self._mm = mmap.mmap(fd, num_slots * slot_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd = fd
+        self._backed = bytearray(num_slots)  # per slot: its memory is allocated (posix_fallocate)
+        self.unbacked_refusals = 0  # stores refused because the file system had no memory left for their slot
         if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer page-table entries for DMA where shmem huge pages are allowed
             try:
                 self._mm.madvise(mmap.MADV_HUGEPAGE)
@@ -137,9 +141,25 @@ class CpuTier(SlotPool):
         self, key: bytes, group: bytes, nbytes: int, on_evict=None, protect: set[bytes] | frozenset = frozenset()
     ) -> StoreTicket | None:
         ticket = super().prepare_store(key, group, nbytes, on_evict, protect)
-        if ticket is not None:  # new bytes: a device checksum being computed over the old ones is void
-            self._generation[ticket.slot] += 1
+        if ticket is None:
+            return None
+        if not self._backed[ticket.slot] and not self._back(ticket.slot):
+            self.abort_store(ticket)  # (its victims went down the cascade as for any store)
+            return None
+        self._generation[ticket.slot] += 1  # new bytes: a device checksum being computed over the old ones is void
         return ticket
+
+    def _back(self, slot: int) -> bool:
+        """Give a slot its memory before its first write. The slab is sparse, and a write into a page the file
+        system has no memory for (a full /dev/shm, which Ray's object store shares) kills the process with SIGBUS:
+        a slot that cannot get its memory refuses its store instead."""
+        try:
+            os.posix_fallocate(self._fd, slot * self.slot_bytes, self.slot_bytes)
+        except OSError:
+            self.unbacked_refusals += 1
+            return False
+        self._backed[slot] = 1
+        return True
 
     def complete_store(self, ticket: StoreTicket, chunk_checksum: int) -> None:
         super().complete_store(ticket, chunk_checksum)
@@ -205,6 +225,9 @@ class CpuTier(SlotPool):
             self._mm.close()
         except BufferError:  # a view is still exported (e.g. a reader in this process); unmapped at exit
             pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         try:
             os.unlink(self.path)
         except FileNotFoundError:

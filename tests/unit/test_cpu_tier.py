@@ -136,3 +136,22 @@ def test_a_cpu_tier_bigger_than_its_shared_memory_is_shrunk_to_fit():
     assert fit_slots(100, 10, 2000) == 100  # fits: as configured
     assert fit_slots(100, 10, 999) == 49  # /dev/shm is smaller: half of what is free (Ray's store lives there too)
     assert fit_slots(100, 10, 5) == 1
+
+
+def test_a_slot_whose_memory_cannot_be_allocated_refuses_its_store(tier, monkeypatch):
+    # the slab is sparse; a write into a page a full /dev/shm cannot back kills the process (SIGBUS). Each slot
+    # gets its memory (posix_fallocate) before its first write, and a slot that cannot refuses the store instead
+    import errno
+
+    assert put(tier, 1) is not None
+    real = os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    assert tier.prepare_store(key(2), b"g" * 16, SLOT) is None and tier.unbacked_refusals == 1
+    assert tier.slot_of(key(2)) is None and len(tier) == 1  # nothing half-made, and the first chunk untouched
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    assert put(tier, 2) is not None
+    tier.check_integrity(verify_checksums=True)

@@ -154,12 +154,16 @@ class GpuTier(SlotPool):
     # -- store ----------------------------------------------------------------------------------------------------
     def complete_store(self, ticket: StoreTicket, chunk_checksum: int) -> None:
         super().complete_store(ticket, chunk_checksum)
+        if self._slots[ticket.slot].key != ticket.key:
+            return  # discarded while it was written: released already
         self._host_known[ticket.slot] = True
         self._place_sum(ticket.slot)
 
     def complete_device_store(self, ticket: StoreTicket, device_sum: int) -> None:
         """A chunk written into the slot by an engine's GPU (`gpu_ipc.write_chunks`, whose sums say what landed)."""
         super().complete_store(ticket, 0)
+        if self._slots[ticket.slot].key != ticket.key:
+            return  # discarded while it was written: released already
         self._host_known[ticket.slot] = False
         self._sums[ticket.slot], self._sum_events[ticket.slot] = int(device_sum), None
 

@@ -157,6 +157,10 @@ class SlotPool:
         assert s.key == ticket.key and not s.ready
         s.checksum, s.ready = chunk_checksum, True
         s.pins -= 1
+        if s.doomed:  # discarded while it was being written: gone once its last pin goes, never readable
+            if not s.pins:
+                self._release(ticket.slot)
+            return
         self._policy.insert(ticket.key)
 
     def abort_store(self, ticket: StoreTicket) -> None:

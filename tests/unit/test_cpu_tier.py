@@ -155,3 +155,14 @@ def test_a_slot_whose_memory_cannot_be_allocated_refuses_its_store(tier, monkeyp
     monkeypatch.setattr(os, "posix_fallocate", real)
     assert put(tier, 2) is not None
     tier.check_integrity(verify_checksums=True)
+
+
+def test_a_chunk_discarded_while_it_is_written_is_released_when_the_write_completes(tier):
+    ticket = tier.prepare_store(key(1), b"g" * 16, SLOT)
+    assert tier.discard(key(1))  # (a corrupt report, an eviction) while the writer still fills the slot
+    data = bytes([1]) * SLOT
+    tier.buffer(ticket.slot)[:SLOT] = data
+    tier.complete_store(ticket, checksum(data))
+    assert tier.slot_of(key(1)) is None and tier.pin([key(1)]) == [] and len(tier) == 0  # the slot is free again
+    assert put(tier, 2) is not None and len(tier) == 1
+    tier.check_integrity(verify_checksums=True)

@@ -7,9 +7,10 @@ Key layout (`P` is the configured key prefix):
     P:{n}:inc              hash     node_id -> current incarnation
     P:{n}:lease            zset     node_id scored by its lease deadline, ms on Redis's own clock
     P:{n}:info             hash     node_id -> msgpack NodeInfo (wire.py)
-    P:{n}:ver              string   the membership version: INCR by every join and leave (`inc` and `info` change
-                                    only then), so a reader whose table has this version reads only the leases
-                                    that lapse soon (`node_table`)
+    P:{n}:ver              string   the membership version: a new random token at every join and leave (`inc` and
+                                    `info` change only then), so a reader whose table has this version reads only
+                                    the leases that lapse soon (`node_table`); random, not a count, so that a Redis
+                                    restored from a snapshot never hands out a version a reader saw with other rows
     P:{n}:claim:<job>      string   short leases on jobs one node should do: the janitor round, one purge
     P:{n}:load             hash     replica id -> msgpack [1, node_id, pending prefill tokens, queue depth]: the
                                     load each serving replica last reported (`report_load`)
@@ -206,7 +207,7 @@ class Directory:
     def join(self, info: NodeInfo, lease_ms: int, last_incarnation: int = 0) -> Lease:
         epoch, inc, prev = self._join(
             keys=[self._k_epoch, self._k_counter, self._k_inc, self._k_deadline, self._k_info, self._k_ver],
-            args=[info.node_id, os.urandom(8).hex(), lease_ms, info.pack(), last_incarnation],
+            args=[info.node_id, os.urandom(8).hex(), lease_ms, info.pack(), last_incarnation, os.urandom(8).hex()],
         )
         return Lease(info.node_id, int(inc), epoch, int(prev))
 
@@ -232,7 +233,8 @@ class Directory:
     def leave(self, lease: Lease) -> bool:
         return bool(
             self._leave(
-                keys=[self._k_inc, self._k_deadline, self._k_info, self._k_ver], args=[lease.node_id, lease.incarnation]
+                keys=[self._k_inc, self._k_deadline, self._k_info, self._k_ver],
+                args=[lease.node_id, lease.incarnation, os.urandom(8).hex()],
             )
         )
 
@@ -359,6 +361,21 @@ class Directory:
         self._redis.delete(own)
         self._owned.pop(incarnation, None)
         return removed
+
+    def holder_of(self, incarnation: int) -> str | None:
+        """The node whose current incarnation `incarnation` is (its row may have lapsed), or None. A Redis that
+        restarted empty can hand a number out again: a purge of a node's earlier incarnation must not hit another
+        node's current one."""
+        for node, inc in self._redis.hgetall(self._k_inc).items():
+            if int(inc) == incarnation:
+                return node.decode()
+        return None
+
+    def drop_own_index(self, lease: Lease) -> None:
+        """Delete the incarnation's own index of groups (a node that leaves, having unregistered everything)."""
+        self._redis.delete(self.own_key(lease.incarnation))
+        with self._own_lock:
+            self._owned.pop(lease.incarnation, None)
 
     def entries_of(self, incarnation: int) -> dict[tuple[bytes, bytes], int]:
         """(group, field) -> tier of every entry naming `incarnation`, found through its own index (O(its own

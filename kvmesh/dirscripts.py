@@ -3,12 +3,12 @@ Redis Cluster slot: the node keys' `{n}` for membership, leases and load reports
 entries. Key layout, value formats and what each primitive mutates: `kvmesh.directory`'s docstring. A holders value
 as these scripts read and write it must match `kvmesh.directory.HOLDERS_VERSION` and its `_HOLDER` struct.
 
-    JOIN          a node joins: new incarnation, lease, info; epoch created if missing; membership version INCR
+    JOIN          a node joins: new incarnation, lease, info; epoch created if missing; a new membership version
     EXPIRE        end a node incarnation's lease now
     HOLDERS_LUA   the Lua helpers that read and write a holders value (prepended to the group scripts)
     PURGE_GROUP   drop every entry of one incarnation from one group
     HEARTBEAT     extend a lease ("ok"), or say "resync" / "fenced"
-    LEAVE         remove a node if still this incarnation; membership version INCR
+    LEAVE         remove a node if still this incarnation; a new membership version
     REGISTER      add/update an incarnation's entries in one group
     UNREGISTER    remove an incarnation's entries from one group
     REPORT_LOAD   a replica's load report, stamped with Redis's clock; old reports dropped
@@ -31,7 +31,7 @@ local prev = redis.call('HGET', KEYS[3], ARGV[1]) or '0'
 redis.call('HSET', KEYS[3], ARGV[1], inc)
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[3]), ARGV[1])
 redis.call('HSET', KEYS[5], ARGV[1], ARGV[4])
-redis.call('INCR', KEYS[6])
+redis.call('SET', KEYS[6], ARGV[6])
 return {epoch, inc, prev}
 """
 
@@ -90,7 +90,10 @@ HEARTBEAT = """
 if redis.call('GET', KEYS[1]) ~= ARGV[3] then return 'resync' end
 local cur = redis.call('HGET', KEYS[2], ARGV[1])
 if not cur then return 'resync' end
-if cur ~= ARGV[2] then return 'fenced' end
+if cur ~= ARGV[2] then
+  if tonumber(cur) > tonumber(ARGV[2]) then return 'fenced' end
+  return 'resync'  -- an older one: the directory went back in time (a snapshot restored), not a newer process
+end
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[3], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[4]), ARGV[1])
 return 'ok'
@@ -101,7 +104,7 @@ if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
   redis.call('HDEL', KEYS[1], ARGV[1])
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('HDEL', KEYS[3], ARGV[1])
-  redis.call('INCR', KEYS[4])
+  redis.call('SET', KEYS[4], ARGV[3])
   return 1
 end
 return 0

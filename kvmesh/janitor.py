@@ -49,7 +49,11 @@ class Janitor:
                 if not self._to_purge:
                     break
                 inc = self._to_purge[0]
-            self._count("purged_entries", d.purge(inc))
+            owner = d.holder_of(inc)
+            if owner is None or (owner == self.node_id and inc != self._lease().incarnation):
+                self._count("purged_entries", d.purge(inc))
+            else:  # a Redis that restarted empty gave the number to a node again: its entries are that node's now
+                self._count("purge_skipped_reissued")
             with self._lock:
                 self._to_purge.pop(0)
         lease = self._lease()

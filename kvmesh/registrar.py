@@ -181,6 +181,9 @@ class Registrar:
                 self.info.node_id[:8],
                 self.lease.incarnation,
             )
+            # what it registered after its successor purged it would be left for good (no row names it any more,
+            # so no janitor will): this writer, the only one, takes it out itself, now that it writes nothing else
+            self._count("purged_entries", d.purge(self.lease.incarnation))
 
     def _rejoin(self) -> None:
         """The directory lost this node (restarted empty, or failed over): re-join under a new incarnation so
@@ -273,6 +276,7 @@ class Registrar:
             with self._cv:
                 batch.update({c: None for c in self._queued})
             self._write(batch)
+            self.directory.drop_own_index(self.lease)  # (every entry is gone; the node still holds the chunks)
             self.directory.leave(self.lease)
         except redis.RedisError:
             pass

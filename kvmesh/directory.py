@@ -80,7 +80,7 @@ from kvmesh.wire import NodeInfo
 
 HOLDERS_VERSION = 2  # the value's first byte
 _HOLDER = struct.Struct("<IB")  # incarnation, tier
-MAX_HOLDERS = 8  # per chunk; a longer list drops its oldest entries
+MAX_HOLDERS = 8  # per chunk; an entry that lists this many takes no other holder until one leaves
 
 LOAD_VERSION = 1  # a load value's first element
 
@@ -297,22 +297,30 @@ class Directory:
                 known.difference_update(gone)
         return len(gone)
 
-    def register(self, lease: Lease, tier: int, group: bytes, hashes: list[bytes]) -> None:
-        if hashes:
-            self._note_owned(lease, [group])
-            self._register(keys=[self.group_key(group)], args=[lease.incarnation, tier, MAX_HOLDERS, *fields(hashes)])
+    def register(self, lease: Lease, tier: int, group: bytes, hashes: list[bytes]) -> list[bytes]:
+        """Returns the hashes not registered: their entries list MAX_HOLDERS other holders already (the caller
+        tries them again later)."""
+        if not hashes:
+            return []
+        self._note_owned(lease, [group])
+        refused = self._register(
+            keys=[self.group_key(group)], args=[lease.incarnation, tier, MAX_HOLDERS, *fields(hashes)]
+        )
+        return [hashes[int(i) - 1] for i in refused or ()]
 
     def unregister(self, lease: Lease, group: bytes, hashes: list[bytes]) -> None:
         if hashes:
             self._unregister(keys=[self.group_key(group)], args=[lease.incarnation, *fields(hashes)])
 
-    def register_many(self, lease: Lease, tier: int, groups: dict[bytes, list[bytes]]) -> None:
-        """Register several groups in one pipelined round trip per Redis server (used on resync)."""
+    def register_many(self, lease: Lease, tier: int, groups: dict[bytes, list[bytes]]) -> dict[bytes, list[bytes]]:
+        """Register several groups in one pipelined round trip per Redis server (used on resync). Returns, by group,
+        the hashes not registered (as `register`)."""
         self._note_owned(lease, list(groups))
-        self._run_scripts(
+        out = self._run_scripts(
             dirscripts.REGISTER,
             [(self.group_key(g), [lease.incarnation, tier, MAX_HOLDERS, *fields(hs)]) for g, hs in groups.items()],
         )
+        return {g: [hs[int(i) - 1] for i in r] for (g, hs), r in zip(groups.items(), out) if r}
 
     def _run_scripts(self, script: str, calls: list[tuple[str, list]]) -> list:
         """`script` once per (key, args), pipelined: one round trip per server that owns any of the keys (Redis

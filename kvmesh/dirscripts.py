@@ -110,22 +110,29 @@ end
 return 0
 """
 
-# KEYS[1] group; ARGV: inc, tier, hashes...
+# KEYS[1] group; ARGV: inc, tier, max holders, hashes... An entry already listing max holders others takes no more:
+# the hashes refused are returned (their 1-based positions), and their writer tries them again later (when a holder
+# has left). Dropping the oldest instead would drop a live holder that never learns it is no longer listed.
 REGISTER = (
     HOLDERS_LUA
     + """
 local inc = tonumber(ARGV[1])
 local tier = tonumber(ARGV[2])
 local maxh = tonumber(ARGV[3])
+local refused = {}
 for i = 4, #ARGV do
   local hs = {}
   for _, h in ipairs(holders(redis.call('HGET', KEYS[1], ARGV[i]))) do
     if h[1] ~= inc then hs[#hs + 1] = h end
   end
-  hs[#hs + 1] = {inc, tier}
-  redis.call('HSET', KEYS[1], ARGV[i], pack(hs, math.max(1, #hs - maxh + 1)))
+  if #hs >= maxh then
+    refused[#refused + 1] = i - 3
+  else
+    hs[#hs + 1] = {inc, tier}
+    redis.call('HSET', KEYS[1], ARGV[i], pack(hs, 1))
+  end
 end
-return #ARGV - 3
+return refused
 """
 )
 

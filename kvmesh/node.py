@@ -766,7 +766,10 @@ class KVNode:
             assert self.registrar.flush(10.0), "directory updates are still pending"
         with self.lock:
             self.cascade.check_integrity(verify_checksums=verify_checksums)
-            held = {(g, k[:FIELD_BYTES]): t for g, k, t in self._registrable()}
+            unlisted = self.registrar.unlisted()  # (an entry already full of other holders: tried again later)
+            registrable = self._registrable()
+            held = {(g, k[:FIELD_BYTES]): t for g, k, t in registrable if (g, k) not in unlisted}
+            groups = {g for g, _k, _t in registrable}
         if directory and not self.fenced:
             listed = self.directory.entries_of(self.lease.incarnation)
             unfindable = held.keys() - listed.keys()
@@ -776,7 +779,6 @@ class KVNode:
             moved = [c for c, t in held.items() if listed[c] != t]
             assert not moved, f"{len(moved)} directory entries name the wrong tier"
             indexed = self.directory.redis.smembers(self.directory.own_key(self.lease.incarnation))
-            groups = {g for g, _ in held}
             assert indexed == groups, (
                 f"the purge index lists {len(indexed - groups)} group(s) not held and misses {len(groups - indexed)}"
             )

@@ -66,6 +66,9 @@ class Registrar:
         self.fenced = False
         self._cv = threading.Condition()
         self._queued: dict = {}  # (group, key) -> tier | None, guarded by _cv
+        # (group, key) -> tier of chunks whose entries listed MAX_HOLDERS others: sent again every heartbeat until
+        # one of those leaves (guarded by _cv)
+        self._refused: dict = {}
         self._posted = 0  # sequence number of the last post
         self._sent = 0  # every post up to this one has been sent
         self._sending = False
@@ -119,6 +122,12 @@ class Registrar:
         while it does not (they stay queued and go out when Redis answers)."""
         return not self._failing
 
+    def unlisted(self) -> set:
+        """(group, key) of chunks held but not listed: their entries list MAX_HOLDERS others (tried again every
+        heartbeat)."""
+        with self._cv:
+            return set(self._refused)
+
     @property
     def pending(self) -> bool:
         with self._cv:
@@ -168,6 +177,11 @@ class Registrar:
         if state == "ok" and d.server_identity() != self._server:
             state = "resync"  # a restarted or failed-over Redis: it may lack or keep entries wrongly
             self._count("directory_server_changed")
+        if state == "ok" and self._refused:
+            with self._cv:  # (a newer change of one of them, queued meanwhile, wins)
+                for change, tier in self._refused.items():
+                    self._queued.setdefault(change, tier)
+                self._refused = {}
         if state == "resync":
             self._rejoin()
         elif state == "fenced":
@@ -212,9 +226,13 @@ class Registrar:
         by_tier: dict[int, dict[bytes, list[bytes]]] = defaultdict(lambda: defaultdict(list))
         for group, key, tier in chunks:
             by_tier[tier][group].append(key)
+        refused = {}
         for tier, groups in by_tier.items():  # a RedisError leaves _reregister set: the next round redoes it
-            self.directory.register_many(self.lease, tier, groups)
+            for group, keys in self.directory.register_many(self.lease, tier, groups).items():
+                refused.update({(group, k): tier for k in keys})
         self._reregister = False
+        with self._cv:
+            self._refused = refused
         with self._cv:
             self._sent = max(self._sent, seq)
             self._cv.notify_all()
@@ -252,9 +270,16 @@ class Registrar:
         d = self.directory
         for group, keys in removed.items():
             d.unregister(self.lease, group, keys)
+        refused: dict = {}
         for tier, groups in by_tier.items():
             for group, keys in groups.items():
-                d.register(self.lease, tier, group, keys)
+                refused.update({(group, k): tier for k in d.register(self.lease, tier, group, keys)})
+        with self._cv:
+            for change in batch:
+                self._refused.pop(change, None)
+            self._refused.update(refused)
+        if refused:
+            self._count("registrations_refused_full", len(refused))
         if removed:  # groups this node no longer holds anything of leave its purge index
             d.disown(self.lease, list(removed), self._holds_no_chunk_of)
 

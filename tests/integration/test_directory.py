@@ -6,7 +6,7 @@ import pytest
 import redis
 
 from kvmesh.directory import FIELD_BYTES, Directory
-from kvmesh.tiers import TIER_CPU
+from kvmesh.tiers import TIER_CPU, TIER_GPU
 from kvmesh.wire import NodeInfo
 from tests.conftest import wait_until
 
@@ -152,11 +152,16 @@ def test_lookup_is_one_command_whatever_the_prompt_length(directory, private_red
 
 
 def test_holder_lists_stay_bounded(directory):
+    # an entry lists at most 8 holders: a ninth is refused (register says which hashes), never a listed one dropped
+    # (a live holder pushed out would never learn it); the refused holder's registrar tries again later
     leases = [directory.join(info(f"N{i}"), 10_000) for i in range(12)]
-    for lease in leases:
-        directory.register(lease, TIER_CPU, G, [h(1)])
+    refused = [directory.register(lease, TIER_CPU, G, [h(1), h(2)]) for lease in leases]
+    assert refused == [[]] * 8 + [[h(1), h(2)]] * 4
     rows = directory.longest_prefix(directory.lookup_raw(G, [h(1)]), directory.node_table())
-    assert len(rows[0]) == 8 and {x.node_id for x in rows[0]} == {f"N{i}" for i in range(4, 12)}
+    assert len(rows[0]) == 8 and {x.node_id for x in rows[0]} == {f"N{i}" for i in range(8)}
+    directory.register(leases[0], TIER_GPU, G, [h(1)])  # a listed holder may still change its tier
+    directory.unregister(leases[1], G, [h(1)])
+    assert directory.register(leases[8], TIER_CPU, G, [h(1), h(2)]) == [h(2)]  # room for one on h(1)
 
 
 def test_unreachable_redis_raises_quickly():

@@ -169,3 +169,31 @@ def test_what_a_superseded_process_registered_after_its_purge_is_taken_out_when_
 
     wait_until(lambda: naming_superseded() == 0, 5)
     r.close()
+
+
+def test_an_entry_full_of_holders_never_drops_a_live_one_and_lists_a_refused_one_once_there_is_room(server, nodes):
+    # MAX_HOLDERS per chunk. Before, a ninth holder pushed out the oldest, live or not, which never learned it:
+    # once the others died and were purged, the live holder's chunk was never found again
+    from kvmesh.directory import MAX_HOLDERS
+    from kvmesh.wire import NodeInfo
+
+    first = nodes("node-f")
+    d = Directory(server.url, "dm")
+    keys = store(first, 7)
+    others = []
+    for i in range(MAX_HOLDERS):  # short-lived holders of the same prompt (0.5-s leases), which then die
+        lease = d.join(NodeInfo(f"tmp{i}", f"kvnode-tmp{i}", f"/dev/shm/tmp{i}", 1024, 64), 500)
+        others.append(lease)
+        d.register(lease, 1, keys[0], keys)
+    assert len(d.decode_holders(d.lookup_raw(keys[0], keys)[0])) == MAX_HOLDERS  # the live one is kept
+    late = nodes("node-l")  # a live holder that comes when the entry is full: refused, tried again later
+    assert store(late, 7) == keys and late.registrar.flush(5)
+    assert late.registrar.unlisted() == {(keys[0], k) for k in keys}
+    late.check_integrity(directory=True)  # (its unlisted chunks are known as such)
+    time.sleep(1.0)  # the short-lived ones lapse; a janitor purges them
+    wait_until(lambda: not late.registrar.unlisted(), 10)  # listed at a heartbeat once there was room
+    holders = {h.node_id for h in d.longest_prefix(d.lookup_raw(keys[0], keys), d.node_table())[0]}
+    assert holders == {first.node_id, late.node_id} and found(d, keys) == 4
+    for n in (first, late):
+        n.check_integrity(directory=True)
+    d.close()

@@ -37,7 +37,8 @@ Primitives:
     join(node_id, info, lease_ms) -> Lease           mutates: new incarnation, epoch created if missing
     heartbeat(lease, lease_ms) -> "ok"|"resync"|"fenced"   mutates: extends the lease when "ok"
     leave(lease)                                     mutates: removes the node if still this incarnation
-    register(lease, tier, group, hashes)             mutates: adds/updates this incarnation's entries
+    register(lease, tier, group, hashes) -> refused  mutates: adds/updates this incarnation's entries (not in an
+                                                     entry that lists MAX_HOLDERS others: those hashes are returned)
     unregister(lease, group, hashes)                 mutates: removes this incarnation's entries
     expire(node_id, inc)                             mutates: ends a lease now (Ray reported the node dead)
     purge(inc) -> entries dropped                    mutates: every entry of a dead incarnation, via its own index

@@ -374,6 +374,7 @@ class SchedulerSide:
                 st = self._reqs.get(req_id)
                 if st is not None:
                     st.load_failed = True
+                    st.saved = None  # the chunks vLLM now recomputes are saved again (the failed step's were not)
                 if node:
                     self._unreachable[node] = time.monotonic() + client.config.lease_s
                     self.counts["vllm_unreachable_reports"] += 1

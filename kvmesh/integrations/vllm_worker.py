@@ -240,6 +240,7 @@ class WorkerSide:
         if meta.loads and self._started is not meta:
             self.start_loads(meta)
         batch, self._sync = self._sync, None
+        failed: set[str] = set()
         if batch is not None:
             self._wait_batch(batch, batch.layer_done)
             for ev in batch.layer_done:  # layers the forward pass did not wait for (none, normally)
@@ -247,14 +248,21 @@ class WorkerSide:
             for ld in batch.loads:  # a cancelled batch may have written some layers only: all of it failed
                 if batch.cancelled or ld.failed:
                     self.report_load(ld, async_done=False, blocks=None if batch.cancelled else ld.failed)
+                    failed.add(ld.job.req_id)
         if meta.prefill is not None and self._step_t0 is not None:
             with self.mu:
                 self.report.prefills.append((*meta.prefill, time.perf_counter() - self._step_t0))
         self._step_t0 = None
-        if not self.save or not meta.saves or not self.layers:
+        # What this step computed for a request whose load in the same step failed attended to blocks that were
+        # never loaded: vLLM throws it away and recomputes, and it must never be stored (it would be served, under
+        # its prompt's own hash, as that prompt's KV)
+        saves = [job for job in meta.saves if job.req_id not in failed]
+        if len(saves) < len(meta.saves):
+            self.count("vllm_saves_dropped_failed_load", len(meta.saves) - len(saves))
+        if not self.save or not saves or not self.layers:
             return
         if not self.background_copy:  # the one stall a save costs the step loop: a copy into staging
-            for job in meta.saves:
+            for job in saves:
                 staging = None
                 try:
                     staging = self._gather(job)
@@ -271,9 +279,9 @@ class WorkerSide:
             event = torch.cuda.Event()
             event.record()
         with self.mu:
-            for job in meta.saves:
+            for job in saves:
                 self._pending_saves[job.req_id] += 1
-        for job in meta.saves:
+        for job in saves:
             self._saves_q.put((job, None, event))
 
     def _wait_batch(self, batch: SyncBatch, events: list[threading.Event]) -> None:

@@ -361,3 +361,33 @@ def test_a_chunk_that_fails_its_checksum_in_the_slab_is_never_used(node, sync):
         if sync:
             assert not any(bool(block(dst[i], d).ne(0).any()) for d in load_ids[4:]), "a failed block was written"
 
+
+
+def test_what_a_step_computed_on_top_of_a_failed_sync_load_is_never_saved(node):
+    # load_mode sync: the step that loads a request's prefix also computes (and saves) its next chunk. When the
+    # load fails (the chunks were evicted after the lookup), that chunk attended to blocks never loaded: vLLM
+    # recomputes it, but it was stored anyway, under its prompt's own hash, and served to the next prompt (other
+    # greedy tokens, found by a hunt with a real vLLM engine). Another request's save in the same step still goes.
+    make, _block = LAYOUTS["flash_attn_2_NB_BS_H_D"]
+    g = torch.Generator().manual_seed(60)
+    layers = make(g)
+    toks, other = tokens(4, seed=60), tokens(1, seed=61)  # chunks 0..2 of `toks` are held nowhere
+    ids = torch.randperm(NB, generator=g)[:16].tolist()
+    w = real_worker(node, layers)
+    try:
+        meta = StepMeta(loads=[LoadJob("r", toks[: 3 * C].tobytes(), 0, 3, ids[:12], 1, 12, None, None, sync=True)],
+                        saves=[SaveJob("r", toks.tobytes(), 3, 4, ids[12:16], None, None),
+                               SaveJob("o", other.tobytes(), 0, 1, ids[:4], None, None)])
+        w.start_loads(meta)
+        for name in NAMES:
+            w.wait_layer(name, meta)
+        w.end_step(meta)
+        w.finished(set())
+        assert w.load_errors()  # the load failed, and vLLM hears of it
+        c = w.client(None)
+        wait_for(lambda: node.cascade.holds(c.hashes(other)[0]))  # the other request's chunk
+        w.close()  # (the saver thread is done: every save it took went to the node, synchronously here)
+        assert not node.cascade.holds(c.hashes(toks)[3]), "a chunk computed over unloaded blocks was stored"
+        assert w.counts["vllm_saves_dropped_failed_load"] == 1
+    finally:
+        w.close()

@@ -507,7 +507,7 @@ class KVNode:
         with self.lock:
             self.stats_counts.update(counts)
             seq = self._post_changes()
-        self._await_registration(seq)
+        self.registrar.wait(seq, REGISTER_WAIT_S)
         return counts["stored_chunks"]
 
     def reserve_gpu(self, items: list[StoreItem], requester: str = "") -> GpuReserved:
@@ -521,15 +521,8 @@ class KVNode:
         chunks that match are registered, as `store` does."""
         stored, seq = self.reservations.commit(reservation_id, sums)
         if seq:
-            self._await_registration(seq)
-        return stored
-
-    def _await_registration(self, seq: int) -> None:
-        """A store returns once its chunks are registered (a lookup right after it finds them), or after
-        REGISTER_WAIT_S; at once while the directory does not answer: the changes stay queued, and a store that
-        waited on them would hold one of the node's request threads (pins wait behind them) for nothing."""
-        if self.registrar.reaching:
             self.registrar.wait(seq, REGISTER_WAIT_S)
+        return stored
 
     def _drop(self, keys: list[bytes]) -> None:
         """Forget corrupt chunks: out of every tier and out of the directory."""

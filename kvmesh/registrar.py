@@ -4,8 +4,9 @@
                                call it under the node's lock, so changes are queued in the order they were made.
                                Newer changes to a chunk replace older ones still queued
     wait(seq, timeout) -> bool reads: until every change posted up to `seq` was sent (False: not yet, e.g. Redis
-                               is away; they stay queued and are sent when it answers)
-    reaching                   reads: whether the last round reached Redis (a store waits for `wait` only then)
+                               is away; they stay queued and are sent when it answers). Not at all while the last
+                               round failed to reach Redis: a store waiting on it would hold one of the node's
+                               request threads (pins queue behind them) for nothing
     flush(timeout) -> bool     reads: until nothing is queued or being sent
     lease, fenced              reads: the incarnation this node registers under; whether a newer one exists
     shutdown(held)             mutates: unregisters `held`, leaves the directory, stops the thread
@@ -115,12 +116,6 @@ class Registrar:
         with self._cv:
             self._next_heartbeat = 0.0
             self._cv.notify()
-
-    @property
-    def reaching(self) -> bool:
-        """Whether the last round reached Redis: a writer that waits for its changes to be sent (`wait`) need not
-        while it does not (they stay queued and go out when Redis answers)."""
-        return not self._failing
 
     def unlisted(self) -> set:
         """(group, key) of chunks held but not listed: their entries list MAX_HOLDERS others (tried again every

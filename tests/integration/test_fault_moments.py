@@ -58,17 +58,23 @@ def prompt(seed: int, chunks: int) -> tuple[list[int], torch.Tensor]:
     return toks, torch.randn(SPEC.kv_shape(len(toks)), generator=g).to(torch.float16)
 
 
+def cached_on(writer, reader, seed: int, chunks: int):
+    """A prompt of `chunks` chunks stored by `writer` and looked up by `reader`, which sees all of it cached."""
+    toks, kv = prompt(seed, chunks)
+    writer.store(toks, kv)
+    writer.flush()
+    match = reader.lookup(toks, cost_model=False)
+    assert match.num_chunks == chunks
+    return toks, kv, match
+
+
 def test_a_fetch_keeps_its_deadline_while_the_directory_hangs_and_each_run_goes_to_a_peer(private_redis, nodes):
     # one run per chunk (pull_batch_bytes: one chunk, as the default 32 MiB gives for real chunk sizes): before,
     # every run asked the directory for the holder's address and waited for it, and the fetch took 8 s, not 1
     a, b = nodes("a"), nodes("b")
     writer, reader = connect_local(SPEC, a), connect_local(SPEC, b, peers=[a], pull_batch_bytes=SPEC.chunk_bytes)
     try:
-        toks, kv = prompt(1, 16)
-        writer.store(toks, kv)
-        writer.flush()
-        match = reader.lookup(toks, cost_model=False)
-        assert match.num_chunks == 16
+        toks, kv, match = cached_on(writer, reader, 1, 16)
         with hung(private_redis):
             time.sleep(1.0)  # every table here is older than node_refresh_s now
             t0 = time.monotonic()
@@ -113,11 +119,7 @@ def test_what_a_fetch_did_not_get_is_stored_again_by_the_worker_that_recomputed_
     a, b = nodes("a"), nodes("b")
     writer, reader = connect_local(SPEC, a), connect_local(SPEC, b, peers=[a])
     try:
-        toks, kv = prompt(2, 6)
-        writer.store(toks, kv)
-        writer.flush()
-        match = reader.lookup(toks, cost_model=False)
-        assert match.num_chunks == 6
+        toks, kv, match = cached_on(writer, reader, 2, 6)
         a.shutdown()
         assert reader.fetch(match).shape[2] == 0
         assert reader.store(toks, kv) == 6  # recomputed, and kept on this node

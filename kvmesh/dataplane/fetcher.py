@@ -6,7 +6,12 @@
 2. pick each run's source: this node's slab for its own chunks; for other nodes', the local node (`coalesce`,
    "via"), the holder's DataServer ("tcp") or its actor ("ray");
 3. begin every run at once: pins and pulls go out together, receives run on pool threads, so runs from different
-   holders (and batches of one holder) proceed in parallel into their own places in the sink;
+   holders (and batches of one holder) proceed in parallel into their own places in the sink. Except where a
+   node's share of the fetch is more chunks than half its slab (this node's for "slab" and "via" runs, which it
+   pins for the reader; a holder's for the batches it pins to send): that node's runs come in windows, each begun
+   once the ones before it are released, so that at most half its slab is pinned for the fetch at a time, and
+   this node's are copied into the sink (never adopted: an adopted slot stays pinned until the sink lets go).
+   Without that, a prompt larger than a slab (its chunks on disk, or pulled through) could never be read whole;
 4. complete the runs in order; the first one that comes up short ends the fetch there: later runs are stopped,
    and the result is the leading run of chunks that arrived intact;
 5. release every run, whatever happened (pins, receiving threads), then `sink.finish(delivered)`.
@@ -53,43 +58,109 @@ class Fetcher:
             return "via"
         return opts.transport
 
+    def budget(self, node: str) -> int:
+        """Chunks one fetch may have pinned at a time in `node`'s slab (this node's for "slab" and "via" runs, the
+        holder's for "tcp" and "ray" ones): half of it; the rest serves other readers, stores and the node's own
+        reads. Unbounded for a node this view does not know (its runs fail as they begin)."""
+        env = self.env
+        if node == env.here and env.slab is not None and env.slot_bytes > 0:
+            return max(1, env.slab.size // env.slot_bytes // 2)
+        info = env.view.table().by_node().get(node)
+        if info is None or info.slot_bytes <= 0:
+            return 1 << 30
+        return max(1, info.slab_bytes // info.slot_bytes // 2)
+
+    def plan(self, chunks: Sequence, opts: FetchOptions) -> tuple[list[Run], list[str], dict[str, int]]:
+        """The runs, their sources, and the nodes whose share of the fetch is more than they may pin at once, with
+        their budgets: those nodes' runs come in windows (this node's runs cut to half its budget, peers' batches
+        to at most theirs), begun as the earlier ones are released."""
+        here = self.env.here or None
+        runs = plan_runs(chunks, here, self.local_reads, opts.per_batch) if chunks else []
+        kinds = [self.kind(r, opts) for r in runs]
+        load: dict[str, int] = {}
+        for r, k in zip(runs, kinds):
+            node = self._pins_on(r, k)
+            load[node] = load.get(node, 0) + len(r.keys)
+        budgets = {node: b for node, n in load.items() if n > (b := self.budget(node))}
+        if budgets:
+            local = budgets.get(self.env.here)
+            window = max(1, local // 2) if local else None  # two in flight
+            # (a "via" run is a peer batch that this node pins: a window too)
+            per_batch = min([opts.per_batch, *(b for node, b in budgets.items() if node != self.env.here)])
+            runs = plan_runs(chunks, here, self.local_reads, min(per_batch, window or per_batch), window)
+            kinds = [self.kind(r, opts) for r in runs]
+        return runs, kinds, budgets
+
+    def _pins_on(self, run: Run, kind: str) -> str:
+        return self.env.here if kind in PINNED else run.holder
+
     def fetch(self, chunks: Sequence, sink, opts: FetchOptions):
         t0 = time.monotonic()
         env = self.env
         orphans = getattr(env.local, "orphans", None)
         if orphans is not None:
             orphans.reap()  # pins of earlier fetches that came after their deadline
-        runs = plan_runs(chunks, env.here or None, self.local_reads, opts.per_batch) if chunks else []
-        kinds = [self.kind(r, opts) for r in runs]
-        sink.prepare([i for r, k in zip(runs, kinds) if k in ("tcp", "ray") for i in range(r.start, r.end)])
-        transfers: list[sources.Transfer] = []
+        runs, kinds, budgets = self.plan(chunks, opts)
+        copy = env.here in budgets  # this node's windows are copied into the sink: unpinned as each is done
+        sink.prepare([i for r, k in zip(runs, kinds) if k in ("tcp", "ray") or copy and k in PINNED for i in r.indices])
+        transfers: list[sources.Transfer | None] = [None] * len(runs)
+        waiting: dict[str, list[int]] = {}  # node -> its windows not begun yet, in order
+        pinned = dict.fromkeys(budgets, 0)  # node -> chunks of its begun windows not released yet
+
+        def begin(j: int) -> None:
+            r, k = runs[j], kinds[j]
+            if time.monotonic() >= opts.deadline:  # (beginning a run can wait: a holder's address, a pin)
+                transfers[j] = sources.Failed(r, sink, k, "deadline")
+            else:
+                transfers[j] = sources.begin(
+                    env, r, k, sink, opts.chunk_bytes, opts.deadline, opts.group, opts.transport, copy
+                )
+
+        def begin_windows() -> None:
+            for node, queue in waiting.items():
+                while queue and (not pinned[node] or pinned[node] + len(runs[queue[0]].keys) <= budgets[node]):
+                    j = queue.pop(0)
+                    pinned[node] += len(runs[j].keys)
+                    begin(j)
+
         delivered, error, corrupt, device = 0, "", 0, 0
         stats: list[RunStats] = []
         try:
-            for r, k in zip(runs, kinds):
-                if time.monotonic() >= opts.deadline:  # (beginning a run can wait: a holder's address, a pin)
-                    transfers.append(sources.Failed(r, sink, k, "deadline"))
-                    continue
-                transfers.append(
-                    sources.begin(env, r, k, sink, opts.chunk_bytes, opts.deadline, opts.group, opts.transport)
-                )
-            for t in transfers:
+            for j, (r, k) in enumerate(zip(runs, kinds)):
+                node = self._pins_on(r, k)
+                if node in budgets:
+                    waiting.setdefault(node, []).append(j)
+                else:
+                    begin(j)
+            begin_windows()
+            for j, r in enumerate(runs):
+                t = transfers[j]
+                assert t is not None, "windows are begun in order, as the ones before them are released"
                 landed = t.complete(opts.deadline)
-                stats.append(RunStats(t.kind, _link(t.run), len(t.run.keys), landed.delivered, time.monotonic() - t0))
+                stats.append(RunStats(t.kind, _link(r), len(r.keys), landed.delivered, time.monotonic() - t0))
                 delivered += landed.delivered
                 corrupt += landed.corrupt
                 device += landed.device
-                if landed.delivered < len(t.run.keys):
+                if landed.delivered < len(r.keys):
                     error = landed.error or "peer_error"
                     break
+                node = self._pins_on(r, kinds[j])
+                if node in budgets:
+                    t.release()  # (a window is never adopted: nothing of it stays pinned)
+                    pinned[node] -= len(r.keys)
+                    begin_windows()
         finally:
             for t in transfers:
-                t.release()
+                if t is not None:
+                    t.release()
         result = sink.finish(delivered)
         local = sum(s.delivered for s in stats if s.source == "slab")
         return result, FetchStats(
             local, delivered - local, time.monotonic() - t0, error, len(chunks), corrupt, tuple(stats), device
         )
+
+
+PINNED = ("slab", "via")  # runs this node answers with pinned slab slots
 
 
 def _link(run: Run) -> str:

@@ -3,7 +3,9 @@
 A chunk comes from this node when it holds it (and the caller can read this node's slab), else from the holder of
 the previous chunk when that one has it too (fewer, longer runs), else from its first-listed holder (the lookup
 sorts holders by tier). Runs from another node are split into batches of at most `per_batch` chunks: batches are
-separate requests that proceed in parallel and pipeline. Runs cover chunks 0..n-1 in order, with no gaps.
+separate requests that proceed in parallel and pipeline. A run from this node is one run, or windows of at most
+`local_batch` chunks where one is given (a fetch larger than the slab can pin at once). Runs cover chunks 0..n-1 in
+order, with no gaps.
 """
 
 from __future__ import annotations
@@ -27,12 +29,22 @@ class Run:
     def end(self) -> int:
         return self.start + len(self.keys)
 
+    @property
+    def indices(self) -> range:
+        """The indices of its chunks in the match."""
+        return range(self.start, self.end)
 
-def plan_runs(chunks: Sequence, here: str | None, local_reads: bool, per_batch: int) -> list[Run]:
+
+def plan_runs(
+    chunks: Sequence, here: str | None, local_reads: bool, per_batch: int, local_batch: int | None = None
+) -> list[Run]:
     """`chunks`: items with `.hash` and `.holders` (a `Match`'s chunks). `here`: the caller's node id;
     `local_reads`: whether chunks held here can be read here (a worker with this node's slab mapped)."""
     if per_batch < 1:
         raise ValueError(f"per_batch must be at least 1, got {per_batch}")
+    if local_batch is not None and local_batch < 1:
+        raise ValueError(f"local_batch must be at least 1, got {local_batch}")
+    local_cap = local_batch or len(chunks)
     runs: list[list] = []  # [holder, start, keys, tiers, incarnation]
     prev: str | None = None
     for i, ch in enumerate(chunks):
@@ -46,7 +58,8 @@ def plan_runs(chunks: Sequence, here: str | None, local_reads: bool, per_batch: 
         else:
             pick = holders[0].node_id
         last = runs[-1] if runs else None
-        if last is not None and last[0] == pick and (pick == here and local_reads or len(last[2]) < per_batch):
+        cap = local_cap if pick == here and local_reads else per_batch
+        if last is not None and last[0] == pick and len(last[2]) < cap:
             last[2].append(ch.hash)
             last[3].append(by_node[pick].tier)
         else:

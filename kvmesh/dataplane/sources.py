@@ -108,9 +108,12 @@ class Failed(Transfer):
 class PinnedTransfer(Transfer):
     """`slab` and `via`: the local KVNode answers with pinned slab slots; the chunks are read from the slab here."""
 
-    def __init__(self, env: Env, run: Run, sink, chunk_bytes: int, kind: str, pending: Pending[Pinned]) -> None:
+    def __init__(
+        self, env: Env, run: Run, sink, chunk_bytes: int, kind: str, pending: Pending[Pinned], copy: bool = False
+    ) -> None:
         super().__init__(run, sink)
         self.env, self.kind, self._pending, self._cb = env, kind, pending, chunk_bytes
+        self._copy = copy  # copied into the sink, never adopted: unpinned as soon as it is released
         assert env.local is not None, "slab and via runs go through this node's KVNode"
         self._local = env.local
         self._pinned: Pinned | None = None
@@ -154,7 +157,9 @@ class PinnedTransfer(Transfer):
                 i = run.start + j
                 view = env.slab.view(row.slot * env.slot_bytes, cb)
                 key = run.keys[j]
-                if sink.adopt(i, view, row.checksum, lambda k=key: local.report_corrupt([k]), row.devsum):
+                if not self._copy and sink.adopt(
+                    i, view, row.checksum, lambda k=key: local.report_corrupt([k]), row.devsum
+                ):
                     self._adopted = True
                     continue
                 sink.put(i, view)
@@ -281,18 +286,28 @@ class RayTransfer(Transfer):
 
 
 def begin(
-    env: Env, run: Run, kind: str, sink, chunk_bytes: int, deadline: float, group: bytes = b"", transport: str = "tcp"
+    env: Env,
+    run: Run,
+    kind: str,
+    sink,
+    chunk_bytes: int,
+    deadline: float,
+    group: bytes = b"",
+    transport: str = "tcp",
+    copy: bool = False,
 ) -> Transfer:
-    """Phase 1 of `run` through source `kind` ("slab", "via", "tcp", "ray"), for chunks of `chunk_bytes`."""
+    """Phase 1 of `run` through source `kind` ("slab", "via", "tcp", "ray"), for chunks of `chunk_bytes`. `copy`:
+    a pinned run ("slab", "via") is copied into the sink (the sink has staging for it), never adopted, so that its
+    pins go as soon as it is released."""
     if kind == "slab":  # a device sink on a GPU reads GPU-tier chunks device to device where it can map them
         assert env.local is not None, "the planner gives slab runs only to a reader beside its KVNode"
-        gpu = env.gpu is not None and getattr(sink, "device_reads", False)
-        return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pin(list(run.keys), gpu))
+        gpu = not copy and env.gpu is not None and getattr(sink, "device_reads", False)
+        return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pin(list(run.keys), gpu), copy)
     if kind == "via":
         assert env.local is not None, "pull-throughs go through this node's KVNode"
         ms = max(0, min(MAX_DEADLINE_MS, int((deadline - time.monotonic()) * 1000)))
         req = PullThrough(list(run.keys), group, chunk_bytes, run.holder, transport, ms, run.incarnation)
-        return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pull_through(req))
+        return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pull_through(req), copy)
     if kind == "tcp":
         info = env.view.info(run.holder, run.incarnation)
         if info is None or not info.data_addr:

@@ -1,0 +1,173 @@
+"""A fetch larger than the slab can pin at once: its chunks come through the node's slab in windows, each released
+before the next is pinned, so a prompt whose KV is larger than the reader's CPU tier (its chunks on disk, or pulled
+through a small node) is read whole, bit-exact, into every sink. Plain KVNodes against a real redis-server (no Ray:
+the same file runs on a GPU machine, where the device sink is a CUDA one and the GPU tier is a source too)."""
+
+import os
+
+import pytest
+import torch
+
+from kvmesh import KVSpec
+from kvmesh.client import connect_local
+from kvmesh.config import KVMeshConfig
+from kvmesh.handle import LocalHandle
+from kvmesh.hashing import as_tokens, chunk_hashes
+from kvmesh.node import KVNode
+from tests.conftest import wait_until
+
+SPEC = KVSpec("windows", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=32)
+SLOT = 64 * 1024
+N, SMALL = 40, 8  # chunks per prompt; the small slab's slots (a fetch may pin half of it: windows of 2)
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    from kvmesh.local import RedisServer
+
+    tmp = tmp_path_factory.mktemp("windows")
+    with RedisServer() as server:
+        base = KVMeshConfig(redis_url=server.url, key_prefix="win", cpu_bytes=64 * SLOT, slot_bytes=SLOT,
+                            lease_s=4.0, heartbeat_s=0.5, node_refresh_s=0.2, fetch_timeout_s=10.0,
+                            shm_dir=str(tmp / "shm"))
+        os.makedirs(base.shm_dir)
+        small = base.replace(cpu_bytes=SMALL * SLOT)
+        configs = {
+            "D": small.replace(disk_bytes=4 * N * SLOT, disk_dir=str(tmp / "disk")),  # a small slab above a disk
+            "B": base,  # holds in its (large) slab
+            "C": small,  # reads through its small slab (coalesce_pulls)
+        }
+        if CUDA:  # a GPU tier larger than its slab
+            configs["G"] = small.replace(gpu_bytes=2 * N * SLOT, gpu_device="cuda")
+        made: dict[str, KVNode] = {}
+        for role, cfg in configs.items():
+            n = made[role] = KVNode(cfg, f"node-{role}" * 6, f"kvnode-{role}")
+            n.peers = lambda node, me=n: next(
+                (LocalHandle(p, me.node_id) for p in made.values() if p.node_id == node), None)
+        yield made
+        for n in made.values():
+            n.shutdown()
+
+
+def client(nodes, role, **opts):
+    return connect_local(SPEC, nodes[role], peers=[n for r, n in nodes.items() if r != role], **opts)
+
+
+def data(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, 50_000, (N * SPEC.chunk_tokens + 7,), generator=g).tolist()
+    return toks, torch.randn(SPEC.kv_shape(len(toks)), generator=g).to(SPEC.torch_dtype)
+
+
+def keys(toks):
+    return chunk_hashes(SPEC.namespace, as_tokens(toks), SPEC.chunk_tokens)
+
+
+def store(nodes, role, toks, kv):
+    """`role` holds the prompt's N chunks: D on its disk (all but the last few), stored a slab's worth at a time
+    (a burst larger than D's write-back buffers would drop chunks on their way to the disk)."""
+    c = client(nodes, role)
+    ks, n = keys(toks), SPEC.chunk_tokens
+    try:
+        if role == "G":
+            kv = kv.to("cuda")
+        for at in range(0, N, SMALL):
+            c.store_keys(ks[0], ks[at : at + SMALL], [kv[:, :, i * n : (i + 1) * n] for i in range(at, at + SMALL)])
+            assert c.flush() == SMALL
+            wait_until(lambda: nodes[role].stats().get("disk_pending_io", 0) == 0, 10)
+    finally:
+        c.close()
+    where = [{t for t, *_ in w} for w in nodes[role].locate(ks)]
+    assert role == "G" or all(where), where
+    if role == "D":
+        assert sum("disk" in w for w in where) >= N - SMALL, where
+
+
+def corrupt(nodes, role, toks, index):
+    """Flip one byte of chunk `index` where `role` keeps it (its disk copy on D, its slab copy on B)."""
+    key = keys(toks)[index]
+    (_tier, path, offset), = [w for w in nodes[role].locate([key])[0] if w[0] == ("disk" if role == "D" else "cpu")]
+    with open(path, "r+b") as f:
+        f.seek(offset + 1000)
+        b = f.read(1)
+        f.seek(offset + 1000)
+        f.write(bytes([b[0] ^ 0x20]))
+
+
+def fetch(c, match, sink):
+    s = SPEC
+    if sink == "new":
+        return c.fetch(match)
+    if sink == "out":
+        out = torch.full(s.kv_shape(N * s.chunk_tokens), 7.0, dtype=s.torch_dtype)
+        got = c.fetch(match, out=out)
+        assert got.data_ptr() == out.data_ptr()
+        return got
+    load, n = c.fetch_to_device(match, DEVICE)
+    if load is None:
+        return torch.empty(s.kv_shape(0), dtype=s.torch_dtype)
+    try:
+        n = min(n, load.first_unverified())
+        return load.staging[:n].permute(1, 2, 0, 3, 4, 5).reshape(s.kv_shape(n * s.chunk_tokens)).cpu()
+    finally:
+        load.release()
+
+
+SOURCES = [("D", "D", {}), ("C", "B", {"coalesce_pulls": True}), ("B", "D", {})] + ([("G", "G", {})] if CUDA else [])
+
+
+@pytest.mark.parametrize("fault", ["none", "corrupt"])
+@pytest.mark.parametrize("sink", ["new", "out", "device"])
+@pytest.mark.parametrize("reader,holder,opts", SOURCES, ids=["disk", "via", "peer-disk", "gpu"][: len(SOURCES)])
+def test_fetch_larger_than_the_slab(nodes, reader, holder, opts, sink, fault):
+    if fault == "corrupt" and holder == "G":
+        pytest.skip("GPU-tier corruption is the matrix's (tests/gpu/test_matrix_cuda.py)")
+    toks, kv = data(hash((reader, sink, fault)) % 10_000)
+    store(nodes, holder, toks, kv)
+    bad = 29  # in a later window
+    if fault == "corrupt":
+        corrupt(nodes, holder, toks, bad)
+    c = client(nodes, reader, **opts)
+    try:
+        match = c.lookup(toks, cost_model=False)
+        assert match.num_chunks == N
+        got = fetch(c, match, sink)
+        want = bad if fault == "corrupt" else N
+        assert got.shape[2] == want * SPEC.chunk_tokens, f"{got.shape[2] // SPEC.chunk_tokens} chunks, not {want}"
+        assert torch.equal(got.view(torch.uint8), kv[:, :, : want * SPEC.chunk_tokens].contiguous().view(torch.uint8))
+        if fault == "none":
+            assert not c.counts["fetch_truncated"]
+    finally:
+        c.close()
+    wait_until(lambda: all(n.stats()["pinned"] == 0 for n in nodes.values()), 5)
+    if fault == "corrupt":  # the bad copy was dropped: the prompt is cached up to it
+        c = client(nodes, reader, **opts)
+        try:
+            wait_until(lambda: c.lookup(toks, cost_model=False).num_chunks == bad, 5)
+        finally:
+            c.close()
+
+
+def test_a_window_fetch_leaves_room_for_stores(nodes):
+    """While a reader's fetch runs through D's small slab, it pins at most half of it."""
+    toks, kv = data(4242)
+    store(nodes, "D", toks, kv)
+    c = client(nodes, "D")
+    try:
+        seen = []
+        pin = nodes["D"].pin
+
+        def watching(keys, *a, **k):
+            seen.append(nodes["D"].stats()["pinned"] + len(keys))
+            return pin(keys, *a, **k)
+
+        nodes["D"].pin = watching
+        try:
+            assert c.fetch(c.lookup(toks, cost_model=False)).shape[2] == N * SPEC.chunk_tokens
+        finally:
+            del nodes["D"].pin
+        assert seen and max(seen) <= SMALL // 2, seen
+    finally:
+        c.close()

@@ -28,8 +28,11 @@ keys say. Byte layout (written down once):
     group = BLAKE2b-128(root ‖ gen as <u8,                        person=b"kvmesh.sglgrp")
     key_i = BLAKE2b-128(group ‖ SGLang page key i as UTF-8,       person=b"kvmesh.sglang")
 
-SGLang's page key already names its whole prefix, so key_i does too. The spec comes from the storage config and
-the host pool: model id (name plus revision, or a fingerprint of a local model directory's files), dtype, layers,
+SGLang's page key already names its whole prefix, so key_i does too. The spec comes from the storage config, the
+host pool and SGLang's server args: model id (name plus revision, or a fingerprint of a local model directory's
+files; then `--quantization`, a `--json-model-override-args` digest, a `--dtype` other than the pool's, and
+`--kv-cache-dtype` where it is not "auto" — a pool stored as uint8, as every fp8 format is, is refused unless that or
+extra_config kv_cache_dtype names the format: e4m3 and e5m2 pages are the same bytes and other values), dtype, layers,
 KV heads, head dim, page size, TP rank and size (pipeline stages add their layer range to the model id), and the
 KV format (`sglang_kv_format`: "sglang", the host pool's layout and `SGLANG_FORMAT_VERSION`, bumped whenever this
 backend changes how it writes a page), so engines whose pools differ in layout never share a page.
@@ -54,6 +57,7 @@ children.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -80,6 +84,7 @@ OPTIONS: dict[str, Any] = {  # name -> what isinstance() accepts
     "model_id": str,  # the model's identity ("name@revision"); replaces name + revision/fingerprint
     "model_revision": str,  # revision of a hub model (`model_name` is not a local directory)
     "lora_id": str,  # adapter merged into the weights, if any
+    "kv_cache_dtype": str,  # SGLang's --kv-cache-dtype, where this process's server args do not say it
     "fetch_timeout_s": (int, float),  # deadline of one batch_get
     "generation_refresh_s": (int, float),  # how often the generation is re-read (another engine may clear)
 }
@@ -114,24 +119,85 @@ def parse_options(extra: dict | None) -> dict:
     return out
 
 
-def model_identity(storage_config: HiCacheStorageConfig, options: dict) -> str:
+def server_args():
+    """SGLang's server arguments as this process has them (its scheduler sets them before it builds the storage
+    backend), or None where they are not set (a pool built outside an engine)."""
+    import importlib
+
+    for module, name in (
+        ("sglang.srt.runtime_context", "get_server_args"),
+        ("sglang.srt.server_args", "get_global_server_args"),
+    ):
+        try:
+            return getattr(importlib.import_module(module), name)()
+        except Exception:  # (not set yet, or the accessor this SGLang retired)
+            continue
+    return None
+
+
+def model_identity(storage_config: HiCacheStorageConfig, options: dict, args=None) -> str:
+    """The model id: the option, else a local directory's fingerprint or a hub name with its revision; then what
+    changes the KV computed from the same weights, from SGLang's server args `args` where given: quantization, a
+    config override (`--json-model-override-args`)."""
     if "model_id" in options:
-        return options["model_id"]
-    name = storage_config.model_name
-    if not name:
-        raise ValueError("kvmesh SGLang backend: the storage config has no model_name; set extra_config model_id")
-    if os.path.isdir(name):
-        return local_model_id(name)
-    if "model_revision" not in options:
+        base = options["model_id"]
+    else:
+        name = storage_config.model_name
+        if not name:
+            raise ValueError("kvmesh SGLang backend: the storage config has no model_name; set extra_config model_id")
+        if os.path.isdir(name):
+            base = local_model_id(name)
+        elif "model_revision" not in options:
+            raise ValueError(
+                f"kvmesh SGLang backend: {name!r} is not a local directory, so kvmesh cannot fingerprint "
+                f"its weights; set extra_config model_revision (or model_id)"
+            )
+        else:
+            base = f"{name}@{options['model_revision']}"
+    if args is None:
+        return base
+    quantization = getattr(args, "quantization", None)
+    if quantization:
+        base += f"#q={quantization}"
+    overrides = getattr(args, "json_model_override_args", None)
+    if overrides and overrides.strip() not in ("", "{}"):
+        try:
+            overrides = json.dumps(json.loads(overrides), sort_keys=True)
+        except ValueError:
+            pass  # (SGLang refuses it itself; hashed as given)
+        base += f"#hf={hashlib.blake2b(overrides.encode(), digest_size=8).hexdigest()}"
+    return base
+
+
+def compute_dtype(host_pool, args) -> str:
+    """SGLang's --dtype for the model id where it is not the pool's own KV dtype ("" where it is, or is "auto":
+    the checkpoint's, which its fingerprint covers): the same weights give other KV values computed in another."""
+    name = getattr(args, "dtype", None)
+    if not name or name == "auto":
+        return ""
+    dtype = getattr(torch, str(name), None)
+    return "" if dtype == host_pool.dtype else str(name)
+
+
+def kv_cache_dtype(host_pool, options: dict, args) -> str:
+    """The KV cache dtype for the model id: "" where the pool's own dtype says it (a 2- or 4-byte float); SGLang's
+    --kv-cache-dtype (or the option) otherwise. A pool stored as bytes (uint8: every fp8 format, and the others
+    SGLang quantizes KV to) without either is refused: e4m3 and e5m2 pages are the same bytes and other values."""
+    given = options.get("kv_cache_dtype") or getattr(args, "kv_cache_dtype", None)
+    if given and given != "auto":
+        return str(given)
+    if torch.empty(0, dtype=host_pool.dtype).element_size() == 1:
         raise ValueError(
-            f"kvmesh SGLang backend: {name!r} is not a local directory, so kvmesh cannot fingerprint "
-            f"its weights; set extra_config model_revision (or model_id)"
+            f"kvmesh SGLang backend: the host pool stores KV as {str(host_pool.dtype).removeprefix('torch.')} (a "
+            f"quantized KV cache), and nothing says which format: start SGLang with an explicit --kv-cache-dtype "
+            f"(e.g. fp8_e4m3), or set extra_config kv_cache_dtype"
         )
-    return f"{name}@{options['model_revision']}"
+    return ""
 
 
-def spec_for_pool(storage_config: HiCacheStorageConfig, host_pool, options: dict) -> KVSpec:
-    """The kvmesh spec of the pages in SGLang's host pool: one chunk per page."""
+def spec_for_pool(storage_config: HiCacheStorageConfig, host_pool, options: dict, args=None) -> KVSpec:
+    """The kvmesh spec of the pages in SGLang's host pool: one chunk per page. `args`: SGLang's server args
+    (`server_args()`), None outside an engine."""
     layout = getattr(host_pool, "layout", None)
     if layout not in LAYOUTS or not hasattr(host_pool, "kv_buffer"):
         raise ValueError(
@@ -140,7 +206,12 @@ def spec_for_pool(storage_config: HiCacheStorageConfig, host_pool, options: dict
         )
     if getattr(host_pool, "v_head_dim", host_pool.head_dim) != host_pool.head_dim:
         raise ValueError("kvmesh SGLang backend: K and V head dims differ; kvmesh chunks hold equal K and V")
-    model_id = model_identity(storage_config, options)
+    model_id = model_identity(storage_config, options, args)
+    compute, quantized = compute_dtype(host_pool, args), kv_cache_dtype(host_pool, options, args)
+    if compute:
+        model_id += f"#compute={compute}"
+    if quantized:
+        model_id += f"#kv={quantized}"
     if storage_config.pp_size > 1:  # stages hold different layers of the same model
         model_id += f"#layers{host_pool.start_layer}-{host_pool.end_layer}"
     return KVSpec(
@@ -238,7 +309,7 @@ class KVMeshStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """SGLang hands over its host pool: its geometry completes the spec, and the client connects."""
         super().register_mem_pool_host(mem_pool_host)
-        spec = spec_for_pool(self.storage_config, mem_pool_host, self.options)
+        spec = spec_for_pool(self.storage_config, mem_pool_host, self.options, server_args())
         if self.client is not None:
             if spec == self.spec:
                 return

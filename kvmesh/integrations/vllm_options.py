@@ -233,6 +233,21 @@ def groups_for_vllm(kv_cache_config) -> list[KVGroup]:
     return out
 
 
+def cache_dtype_tag(cache_dtype: str | None) -> str:
+    """vLLM's `--kv-cache-dtype` for the model id, "" for "auto" (the KV dtype is then the spec's own). vLLM's "fp8"
+    is its platform's fp8 format (e4m3fn on CUDA, e4m3fnuz on ROCm): named with it."""
+    if not cache_dtype or cache_dtype == "auto":
+        return ""
+    if cache_dtype == "fp8":
+        try:
+            from vllm.platforms import current_platform
+
+            return f"fp8:{_dtype_name(current_platform.fp8_dtype())}"
+        except Exception:  # (no platform here to ask: the alias alone still keeps it apart from the others)
+            return "fp8"
+    return str(cache_dtype)
+
+
 def specs_for_vllm(
     vllm_config,
     kv_cache_config,
@@ -266,6 +281,9 @@ def specs_for_vllm(
         compute = _dtype_name(vllm_config.model_config.dtype)
         if compute != kv_dtype:  # the same weights give other KV values in another compute dtype
             model_id += f"#compute={compute}"
+        quantized = cache_dtype_tag(getattr(cache, "cache_dtype", "auto"))
+        if quantized:  # fp8 variants are all stored as uint8: the same byte is another value in each
+            model_id += f"#kv={quantized}"
     base = KVSpec(
         model_id=model_id,
         num_layers=len(groups[0].layers),

@@ -346,3 +346,50 @@ def test_other_pool_geometries_round_trip_bit_exact_across_nodes(sgl_cluster, ge
     finally:
         ray.kill(ea)
         ray.kill(eb)
+
+
+def host_pool(dtype):
+    """SGLang's own host pool over a device pool of KV `dtype` (fp8 ones are stored as uint8 by both)."""
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    dev = MHATokenToKVPool(size=256, page_size=PAGE, dtype=dtype, head_num=2, head_dim=64, layer_num=2,
+                           device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    cls, info, kw = _mha_host_inputs(dev)
+    return cls(info, 2.0, 0, PAGE, "layer_first", **kw)
+
+
+def test_what_the_pool_does_not_say_comes_from_the_server_args():
+    # fp8 e4m3 and e5m2 pools are both stored as uint8: the same byte is another value in each (0x41 is 2.25 in
+    # e4m3, 2.5 in e5m2), so the KV cache dtype must be named, and engines that name different ones never share;
+    # quantized weights, config overrides and a compute dtype change the KV of the same weights too
+    from types import SimpleNamespace as NS
+
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    from kvmesh.integrations.sglang import spec_for_pool
+
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+                                  model_name="tiny", extra_config={})
+    opts = {"model_id": "tiny@r1"}
+    args = dict(kv_cache_dtype="auto", quantization=None, json_model_override_args="{}", dtype="auto")
+    fp8 = {}
+    for dtype, name in ((torch.float8_e4m3fn, "fp8_e4m3"), (torch.float8_e5m2, "fp8_e5m2")):
+        pool = host_pool(dtype)
+        assert pool.dtype == torch.uint8
+        for unnamed in (None, NS(**args)):
+            with pytest.raises(ValueError, match="kv-cache-dtype"):
+                spec_for_pool(config, pool, opts, unnamed)
+        fp8[name] = spec_for_pool(config, pool, opts, NS(**{**args, "kv_cache_dtype": name}))
+        assert spec_for_pool(config, pool, {**opts, "kv_cache_dtype": name}).namespace == fp8[name].namespace
+    assert fp8["fp8_e4m3"].namespace != fp8["fp8_e5m2"].namespace
+    pool = host_pool(torch.bfloat16)
+    plain = spec_for_pool(config, pool, opts, NS(**args))
+    assert plain == spec_for_pool(config, pool, opts)  # (nothing in these args changes the KV)
+    assert plain == spec_for_pool(config, pool, opts, NS(**{**args, "dtype": "bfloat16"}))  # (the pool's own)
+    changed = [spec_for_pool(config, pool, opts, NS(**{**args, **change})).namespace
+               for change in ({"quantization": "fp8"}, {"json_model_override_args": '{"rope_theta": 1e6}'},
+                              {"dtype": "float32"})]
+    assert len({plain.namespace, *changed}) == 4

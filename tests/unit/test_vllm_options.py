@@ -36,11 +36,12 @@ class ChunkedLocalAttentionSpec(NS):
     pass
 
 
-def vllm_config(model="org/model", revision="abc123", dtype=torch.bfloat16, tp=1, pp=1, **model_kw):
+def vllm_config(model="org/model", revision="abc123", dtype=torch.bfloat16, tp=1, pp=1, cache_dtype="auto",
+                **model_kw):
     return NS(model_config=NS(model=model, revision=revision, dtype=dtype, hf_overrides=model_kw.get("overrides"),
                               quantization=model_kw.get("quantization")),
               parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-              cache_config=NS(calculate_kv_scales=False))
+              cache_config=NS(calculate_kv_scales=False, cache_dtype=cache_dtype))
 
 
 def kv_config(block=16, heads=8, head=128, dtype=torch.bfloat16, layers=4, kind=FullAttentionSpec, groups=1,
@@ -119,6 +120,11 @@ def test_the_spec_comes_from_the_kv_cache_config():
     s32 = spec_for_vllm(vllm_config(dtype=torch.float32), kv_config(), o)
     assert s32.model_id == "org/model@abc123#compute=float32" and s32 != spec_for_vllm(vllm_config(), kv_config(), o)
     assert spec_for_vllm(vllm_config(), kv_config(), o, lora_id="ad@1").lora_id == "ad@1"
+    # every fp8 KV format is stored as uint8 by vLLM: the same byte is another value in each, so never shared
+    fp8 = {d: spec_for_vllm(vllm_config(cache_dtype=d), kv_config(dtype=torch.uint8), o)
+           for d in ("fp8", "fp8_e4m3", "fp8_e5m2")}
+    assert fp8["fp8_e5m2"].model_id == "org/model@abc123#compute=bfloat16#kv=fp8_e5m2"
+    assert len({s.namespace for s in fp8.values()}) == 3
     for cfg, kv, why in ((vllm_config(), kv_config(groups=2), "more than one KV cache group"),
                          (vllm_config(), kv_config(kind=MambaSpec), "Mamba"),
                          (vllm_config(), kv_config(kind=ChunkedLocalAttentionSpec), "chunked local attention"),

@@ -200,6 +200,7 @@ class Directory:
         self._cache_lock = threading.Lock()
         self._local = threading.local()  # per-thread lookup connection: no pool round trip on the hot path
         self._thread_conns: list = []
+        self.redirects = 0  # Redis Cluster MOVED/ASK answers followed (a resharding)
 
     def group_key(self, group: bytes) -> str:
         return f"{self.prefix}:g:{{{group.hex()}}}"
@@ -342,9 +343,27 @@ class Directory:
             pipe = self._redis.get_redis_connection(nodes[name]).pipeline(transaction=False)
             for i in idx:
                 pipe.eval(script, 1, calls[i][0], *calls[i][1])
-            for i, r in zip(idx, pipe.execute()):
+            for i, r in zip(idx, pipe.execute(raise_on_error=False)):
+                if isinstance(r, Exception) and self._redirected(r):  # (a script runs whole or not at all)
+                    r = self._redis.eval(script, 1, calls[i][0], *calls[i][1])  # follows the redirect
+                if isinstance(r, Exception):
+                    raise r
                 out[i] = r
         return out
+
+    def _redirected(self, e: BaseException) -> bool:
+        """Whether `e` is a Redis Cluster redirect: MOVED (the slot has a new owner: the slot map learns it, so
+        that the next command goes there) or ASK (the slot is being migrated). The caller asks again through the
+        cluster client, which follows redirects. (redis-py's MovedError and AskError do not start with the word.)"""
+        if not (self.cluster and isinstance(e, redis.exceptions.AskError)):
+            return False
+        self.redirects += 1
+        if isinstance(e, redis.exceptions.MovedError):
+            try:
+                self._redis.nodes_manager.move_slot(e)
+            except Exception:  # (a redis-py without it, or a redirect without a host): the whole map again
+                self._redis.nodes_manager.initialize()
+        return True
 
     # -- liveness and purging ------------------------------------------------------------------------------------
     def expire(self, node_id: str, incarnation: int) -> bool:
@@ -420,9 +439,8 @@ class Directory:
             conn.send_packed_command([pack_hmget(key, hashes)], check_health=False)
             return conn.read_response()
         except redis.exceptions.ResponseError as e:
-            if self.cluster and str(e).startswith(("MOVED", "ASK")):
-                self._redis.nodes_manager.initialize()  # slots moved: learn the new map; this lookup is a miss
-                raise redis.exceptions.ConnectionError(f"cluster slot moved: {e}") from e
+            if self._redirected(e):  # a resharding moved the group's slot, or is moving it
+                return self._redis.hmget(key, fields(hashes))
             raise
         except BaseException:
             conn.disconnect()  # reconnects on the next command
@@ -579,10 +597,10 @@ class Directory:
             for c in (conn_g, conn_n):
                 if c is not None:
                     c.disconnect()  # answers of the other commands may still be queued on it
-            if self.cluster and str(e).startswith(("MOVED", "ASK")):
-                self._redis.nodes_manager.initialize()
-                raise redis.exceptions.ConnectionError(f"cluster slot moved: {e}") from e
-            raise
+            if not self._redirected(e):
+                raise
+            values = self._redis.hmget(gkey, fields(hashes)) if hashes else []  # (the cluster client follows redirects)
+            raw, at = self._redis.hgetall(self._k_load), self._redis.hgetall(self._k_load_at)
         except BaseException:
             for c in (conn_g, conn_n):
                 if c is not None:

@@ -212,11 +212,13 @@ class Registrar:
 
     def _register_all(self) -> None:
         """Register everything held under the current incarnation. What is queued now is covered by the snapshot
-        (taken under the node's lock, where posts happen), so the queue is emptied with it."""
+        (taken under the node's lock, where posts happen), so the queue is emptied with it, but for the chunks
+        gone: their unregisters stay queued (a round that failed part way, on one server of a Redis Cluster, may
+        have registered them before they went; a snapshot taken after never names them)."""
         with self._node_lock:
             chunks = self._held()
             with self._cv:
-                self._queued.clear()
+                self._queued = {change: tier for change, tier in self._queued.items() if tier is None}
                 seq = self._posted
         by_tier: dict[int, dict[bytes, list[bytes]]] = defaultdict(lambda: defaultdict(list))
         for group, key, tier in chunks:

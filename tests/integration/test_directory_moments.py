@@ -197,3 +197,35 @@ def test_an_entry_full_of_holders_never_drops_a_live_one_and_lists_a_refused_one
     for n in (first, late):
         n.check_integrity(directory=True)
     d.close()
+
+
+def test_a_chunk_dropped_while_a_reregistration_fails_part_way_is_not_left_listed(server, nodes):
+    # a re-registration (after a resync) that reached one Redis server of a cluster and failed on another leaves
+    # the first server's entries written; a chunk dropped meanwhile was queued as an unregister. Before, the next
+    # round's re-registration emptied the queue with its snapshot (which no longer names the chunk) and the entry
+    # stayed listed for good: a phantom
+    import redis
+
+    node = nodes("node-p")
+    a, b = store(node, 1), store(node, 2)
+    real = node.directory.register_many
+    failed = []
+
+    def part_way(lease, tier, groups):
+        if failed:
+            return real(lease, tier, groups)
+        failed.append(True)
+        real(lease, tier, {g: ks for g, ks in groups.items() if g == a[0]})  # (one server answered)
+        node._drop([a[2]])  # (a chunk of it goes meanwhile: its unregister is queued)
+        raise redis.ConnectionError("the other server did not answer")
+
+    node.directory.register_many = part_way
+    r = server.connect()
+    r.delete(*r.keys("dm:{n}:*"))  # the node keys lost: the next heartbeat re-joins and registers all again
+    r.close()
+    wait_until(lambda: failed and not node.registrar.pending, 10)
+    del node.directory.register_many
+    node.check_integrity(directory=True)  # listed is exactly what is held
+    d = Directory(server.url, "dm")
+    assert found(d, a) == 2 and found(d, b) == 4
+    d.close()

@@ -100,6 +100,60 @@ def test_kvnodes_store_and_serve_through_a_redis_cluster(redis_cluster, tmp_path
         node.shutdown()
 
 
+def migrate_slot(cluster, slot: int, src_port: int, dst_port: int, finish: bool = True) -> None:
+    """Move `slot` and its keys from the master at src_port to the one at dst_port, as `redis-cli --cluster
+    reshard` does; `finish=False` stops with the keys moved and the slot still migrating (readers get ASK)."""
+    src, dst = redis.Redis(port=src_port), redis.Redis(port=dst_port)
+    dst.cluster("SETSLOT", slot, "IMPORTING", src.cluster("MYID"))
+    src.cluster("SETSLOT", slot, "MIGRATING", dst.cluster("MYID"))
+    while keys := src.cluster("GETKEYSINSLOT", slot, 100):
+        src.migrate("127.0.0.1", dst_port, keys, 0, 5000)
+    if finish:
+        for s in cluster.servers:
+            redis.Redis(port=s.port).cluster("SETSLOT", slot, "NODE", dst.cluster("MYID"))
+
+
+def test_a_resharding_moves_a_groups_slot_and_the_directory_follows(redis_cluster):
+    # readers and writers keep the slot map they learned: after a resharding moved a group (MOVED), and while it
+    # is moving (ASK), they follow the redirect instead of missing (and failing the directory) for good
+    d = Directory(redis_cluster.url, prefix="rc3")
+    a = d.join(info("A"), 10_000)
+    ks, other = chunk_keys(31, 4), chunk_keys(32, 4)
+    d.register_many(a, TIER_CPU, {group(31): ks, group(32): other})
+    table = d.node_table()
+    assert len(d.longest_prefix(d.lookup_raw(group(31), ks), table)) == 4
+    any_master = redis.Redis(port=redis_cluster.servers[0].port)
+    slot = any_master.cluster("KEYSLOT", d.group_key(group(31)))
+    src = next(s.port for s in redis_cluster.servers if int(slot) in _slots_of(s.port))
+    dst = next(s.port for s in redis_cluster.servers if s.port != src)
+    migrate_slot(redis_cluster, slot, src, dst, finish=False)
+    assert len(d.longest_prefix(d.lookup_raw(group(31), ks), table)) == 4  # ASK
+    migrate_slot(redis_cluster, slot, src, dst)
+    assert len(d.longest_prefix(d.lookup_raw(group(31), ks), table)) == 4  # MOVED, then the new owner
+    assert len(d.longest_prefix(d.lookup_raw(group(31), ks), table)) == 4
+    assert d.redirects == 2
+    holders_, why, _loads = d.lookup_with_loads(group(31), ks, table)
+    assert len(holders_) == 4
+    # writes: a resync's pipelined registers, and a purge, reach the moved group too
+    b = Directory(redis_cluster.url, prefix="rc3")
+    b.join(info("B"), 10_000)  # (its slot map is the new one; `d`'s moved on with the redirect)
+    migrate_slot(redis_cluster, slot, dst, src)
+    assert d.register_many(a, TIER_CPU, {group(31): chunk_keys(33, 4), group(32): other}) == {}
+    assert d.purge(a.incarnation) == 12
+    assert d.longest_prefix(d.lookup_raw(group(31), ks), d.node_table()) == []
+    d.close()
+    b.close()
+
+
+def _slots_of(port: int) -> set[int]:
+    me = redis.Redis(port=port).cluster("MYID")
+    out: set[int] = set()
+    for lo, hi, master, *_ in redis.Redis(port=port).execute_command("CLUSTER SLOTS"):
+        if redis.Redis(host=master[0], port=master[1]).cluster("MYID") == me:
+            out.update(range(lo, hi + 1))
+    return out
+
+
 # -- AUTH and ACL users ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", DIRECTORY_SERVERS)
 @pytest.mark.parametrize("user", [None, "kvmesh"], ids=["requirepass", "acl-user"])

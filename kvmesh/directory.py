@@ -11,6 +11,8 @@ Key layout (`P` is the configured key prefix):
                                     `info` change only then), so a reader whose table has this version reads only
                                     the leases that lapse soon (`node_table`); random, not a count, so that a Redis
                                     restored from a snapshot never hands out a version a reader saw with other rows
+    P:{n}:clock            string   the latest reading of Redis's clock (ms, to within a second) the lease scripts
+                                    saw: a reading far behind it is a clock step back, and moves every lease back
     P:{n}:claim:<job>      string   short leases on jobs one node should do: the janitor round, one purge
     P:{n}:load             hash     replica id -> msgpack [1, node_id, pending prefill tokens, queue depth]: the
                                     load each serving replica last reported (`report_load`)
@@ -177,7 +179,7 @@ class Directory:
         n = f"{prefix}:{{n}}"
         self._k_epoch, self._k_counter = f"{n}:epoch", f"{n}:counter"
         self._k_inc, self._k_deadline, self._k_info = f"{n}:inc", f"{n}:lease", f"{n}:info"
-        self._k_ver = f"{n}:ver"
+        self._k_ver, self._k_clock = f"{n}:ver", f"{n}:clock"
         # node_table's rows as of membership version `_table_ver` of epoch `_table_epoch`: node id -> (inc, info)
         self._table_lock = threading.Lock()
         self._table_ver, self._table_epoch = b"", b""
@@ -208,14 +210,22 @@ class Directory:
     # -- nodes --------------------------------------------------------------------------------------------------
     def join(self, info: NodeInfo, lease_ms: int, last_incarnation: int = 0) -> Lease:
         epoch, inc, prev = self._join(
-            keys=[self._k_epoch, self._k_counter, self._k_inc, self._k_deadline, self._k_info, self._k_ver],
+            keys=[
+                self._k_epoch,
+                self._k_counter,
+                self._k_inc,
+                self._k_deadline,
+                self._k_info,
+                self._k_ver,
+                self._k_clock,
+            ],
             args=[info.node_id, os.urandom(8).hex(), lease_ms, info.pack(), last_incarnation, os.urandom(8).hex()],
         )
         return Lease(info.node_id, int(inc), epoch, int(prev))
 
     def heartbeat(self, lease: Lease, lease_ms: int) -> str:
         r = self._heartbeat(
-            keys=[self._k_epoch, self._k_inc, self._k_deadline],
+            keys=[self._k_epoch, self._k_inc, self._k_deadline, self._k_clock],
             args=[lease.node_id, lease.incarnation, lease.epoch, lease_ms],
         )
         return r.decode() if isinstance(r, bytes) else str(r)

@@ -3,6 +3,7 @@ Redis Cluster slot: the node keys' `{n}` for membership, leases and load reports
 entries. Key layout, value formats and what each primitive mutates: `kvmesh.directory`'s docstring. A holders value
 as these scripts read and write it must match `kvmesh.directory.HOLDERS_VERSION` and its `_HOLDER` struct.
 
+    CLOCK_LUA     Redis's clock for a lease deadline; a step back moves every deadline back with it
     JOIN          a node joins: new incarnation, lease, info; epoch created if missing; a new membership version
     EXPIRE        end a node incarnation's lease now
     HOLDERS_LUA   the Lua helpers that read and write a holders value (prepended to the group scripts)
@@ -19,11 +20,37 @@ as these scripts read and write it must match `kvmesh.directory.HOLDERS_VERSION`
 # bytes), and never below the joining node's own last incarnation (ARGV[5]). So a Redis that restarted empty hands a
 # node a new number, and does not reissue one unless nodes joined faster than 4 per second over its whole previous
 # life; even then a stale client would only ask a node for a chunk by its full hash, which that node does not hold.
-JOIN = """
+# Lease deadlines are times on Redis's clock. Should that clock step back (an NTP correction, a failover to a host
+# whose clock is behind), a node that died just before would keep its deadline, and be listed live, for as long as
+# the step. now(lease key, clock key) reads the clock and remembers the latest reading (to within a second, one
+# write a second); a reading more than CLOCK_SLACK_MS behind it moves every deadline back by the step. JOIN and
+# HEARTBEAT call it before they write their own deadline.
+CLOCK_LUA = """
+local function now_ms(lease_key, clock_key)
+  local t = redis.call('TIME')
+  local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  local seen = tonumber(redis.call('GET', clock_key) or '0')
+  if now + 2000 < seen then
+    local back = seen - now
+    local all = redis.call('ZRANGE', lease_key, 0, -1, 'WITHSCORES')
+    for i = 1, #all, 2 do
+      local deadline = tonumber(all[i + 1])
+      if deadline > 0 then redis.call('ZADD', lease_key, math.max(1, deadline - back), all[i]) end
+    end
+    redis.call('SET', clock_key, now)
+  elseif now >= seen + 1000 then
+    redis.call('SET', clock_key, now)
+  end
+  return now, t
+end
+"""
+
+JOIN = (
+    CLOCK_LUA
+    + """
 redis.call('SET', KEYS[1], ARGV[2], 'NX')
 local epoch = redis.call('GET', KEYS[1])
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local now, t = now_ms(KEYS[4], KEYS[7])
 redis.call('SET', KEYS[2], (t[1] - 1577836800) * 4, 'NX')
 if tonumber(redis.call('GET', KEYS[2])) < tonumber(ARGV[5]) then redis.call('SET', KEYS[2], ARGV[5]) end
 local inc = redis.call('INCR', KEYS[2])
@@ -34,6 +61,7 @@ redis.call('HSET', KEYS[5], ARGV[1], ARGV[4])
 redis.call('SET', KEYS[6], ARGV[6])
 return {epoch, inc, prev}
 """
+)
 
 # Ray (or an operator) says the node is gone: end its lease now rather than when it lapses.
 EXPIRE = """
@@ -86,7 +114,9 @@ return n
 """
 )
 
-HEARTBEAT = """
+HEARTBEAT = (
+    CLOCK_LUA
+    + """
 if redis.call('GET', KEYS[1]) ~= ARGV[3] then return 'resync' end
 local cur = redis.call('HGET', KEYS[2], ARGV[1])
 if not cur then return 'resync' end
@@ -94,10 +124,10 @@ if cur ~= ARGV[2] then
   if tonumber(cur) > tonumber(ARGV[2]) then return 'fenced' end
   return 'resync'  -- an older one: the directory went back in time (a snapshot restored), not a newer process
 end
-local t = redis.call('TIME')
-redis.call('ZADD', KEYS[3], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[4]), ARGV[1])
+redis.call('ZADD', KEYS[3], now_ms(KEYS[3], KEYS[4]) + tonumber(ARGV[4]), ARGV[1])
 return 'ok'
 """
+)
 
 LEAVE = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then

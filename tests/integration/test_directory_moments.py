@@ -229,3 +229,29 @@ def test_a_chunk_dropped_while_a_reregistration_fails_part_way_is_not_left_liste
     d = Directory(server.url, "dm")
     assert found(d, a) == 2 and found(d, b) == 4
     d.close()
+
+
+def test_a_step_back_of_redis_clock_does_not_keep_a_dead_node_live(server):
+    # Lease deadlines are times on Redis's clock. The state just after that clock stepped back an hour: the last
+    # reading the lease scripts saw, and the deadline of a node B that died moments before, are an hour ahead of
+    # it. Before, B was listed live (its chunks served as held) for the hour; now the next heartbeat of any live
+    # node moves every deadline back by the step, and B lapses within its lease
+    from kvmesh.wire import NodeInfo
+
+    d = Directory(server.url, "ck")
+    a = d.join(NodeInfo("A" * 8, "kvnode-a", "/dev/shm/a", 1024, 64), 2000)
+    b = d.join(NodeInfo("B" * 8, "kvnode-b", "/dev/shm/b", 1024, 64), 2000)
+    r = server.connect()
+    hour = 3_600_000
+    sec, us = r.time()
+    r.set("ck:{n}:clock", sec * 1000 + us // 1000 + hour)
+    r.zadd("ck:{n}:lease", {"B" * 8: r.zscore("ck:{n}:lease", "B" * 8) + hour})
+    assert b.incarnation in d.node_table().live
+    deadline = time.monotonic() + 6
+    while b.incarnation in d.node_table().live:
+        assert time.monotonic() < deadline, "B still live"
+        assert d.heartbeat(a, 2000) == "ok"
+        time.sleep(0.2)
+    assert a.incarnation in d.node_table().live
+    r.close()
+    d.close()

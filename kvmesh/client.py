@@ -36,6 +36,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import numpy as np
 import redis
 import torch
 
@@ -181,11 +182,11 @@ class KVMeshClient:
         cached (no plan; a cached prefix counts as a hit, never as the cost model's miss)."""
         toks = as_tokens(tokens)
         if max_chunks is not None and (
-            isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 0
+            isinstance(max_chunks, bool) or not isinstance(max_chunks, (int, np.integer)) or max_chunks < 0
         ):
             raise ValueError(f"max_chunks must be a non-negative int, got {max_chunks!r}")
         salt = self._salt(cache_salt)
-        limit = len(toks) if max_chunks is None else min(len(toks), max_chunks * self.spec.chunk_tokens)
+        limit = len(toks) if max_chunks is None else min(len(toks), int(max_chunks) * self.spec.chunk_tokens)
         hashes = chunk_hashes(self.spec.namespace, toks[:limit], self.spec.chunk_tokens, salt)
         self.counts["lookups"] += 1
         holders, why = self._prefix(hashes[0] if hashes else b"", hashes)
@@ -531,6 +532,8 @@ class KVMeshClient:
         s = self.spec
         if not isinstance(kv, torch.Tensor):
             raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        if kv.layout != torch.strided or kv.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"kv must be a dense CPU or CUDA tensor, got a {kv.layout} one on {kv.device}")
         if kv.dtype != s.torch_dtype:
             raise ValueError(f"kv has dtype {kv.dtype}, but the spec says {s.dtype}")
         if (
@@ -551,6 +554,8 @@ class KVMeshClient:
     def flush(self, timeout_s: float = 30.0) -> int:
         """Wait until every store handed over so far is in the node's tier and registered; returns how many
         chunks the node actually stored."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
+            raise ValueError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
         return self.stores.flush(timeout_s) if self.stores is not None else 0
 
     # -- by explicit chunk keys -----------------------------------------------------------------------------------

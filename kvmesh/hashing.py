@@ -42,6 +42,8 @@ def as_tokens(tokens, name: str = "tokens") -> np.ndarray:
 
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got dtype {tokens.dtype}")
+        if tokens.layout != torch.strided or tokens.device.type == "meta":
+            raise ValueError(f"{name} must be a dense tensor with data, got a {tokens.layout} one on {tokens.device}")
         arr = tokens.detach().to("cpu").numpy()
     else:
         raise TypeError(

@@ -31,6 +31,7 @@ queue wait is added). A directory that fails gives every candidate
 
 from __future__ import annotations
 
+import math
 import string
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -241,7 +242,7 @@ def route(
     if len(toks) == 0:
         raise ValueError("tokens must hold at least one token")
     rate = PREFILL_TOKENS_PER_S if prefill_tokens_per_s is None else prefill_tokens_per_s
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
         raise ValueError(f"prefill_tokens_per_s must be a positive number, got {prefill_tokens_per_s!r}")
     cands = parse_candidates(candidates)
     hashes = client.hashes(toks, cache_salt)

@@ -3,6 +3,7 @@
 import os
 import time
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -207,6 +208,17 @@ def test_bad_inputs_raise_typed_errors(mesh):
                 c.fetch(c.lookup(toks), device=device)
         with pytest.raises(TypeError, match="cache_salt"):
             c.lookup(toks, cache_salt=12)
+        # tensors without data, or not dense (once a NotImplementedError or RuntimeError from deep inside)
+        with pytest.raises(ValueError, match="tokens"):
+            c.lookup(torch.tensor(toks).to("meta"))
+        for kv in (torch.zeros(s.kv_shape(64), dtype=torch.bfloat16, device="meta"),
+                   torch.zeros(s.kv_shape(64), dtype=torch.bfloat16).to_sparse()):
+            with pytest.raises(ValueError, match="kv"):
+                c.store(toks, kv)
+        assert c.lookup(toks, max_chunks=np.int64(1)).num_chunks <= 1
+        for timeout in (-1, float("nan"), "soon"):
+            with pytest.raises(ValueError, match="timeout_s"):
+                c.flush(timeout)
     finally:
         c.close()
 

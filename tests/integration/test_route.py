@@ -199,3 +199,6 @@ def test_bad_input_raises_typed_errors_naming_the_argument(client, mesh):
         client.report_load(0, -1, "r")
     with pytest.raises(ValueError, match="replica_id"):
         client.report_load(0, 0, "")
+    for rate in (0, -1.0, float("inf"), float("nan"), True):  # (inf once failed an internal assert, untyped)
+        with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+            client.route([1, 2, 3], [a], prefill_tokens_per_s=rate)

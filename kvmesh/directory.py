@@ -192,7 +192,15 @@ class Directory:
         self._leave = self._redis.register_script(dirscripts.LEAVE)
         self._register = self._redis.register_script(dirscripts.REGISTER)
         self._unregister = self._redis.register_script(dirscripts.UNREGISTER)
-        self._node_table = self._redis.register_script(dirscripts.NODE_TABLE)
+        # a script is a write unless flagged (Redis >= 7): unflagged, the table read would wait out a write pause
+        # (CLIENT PAUSE WRITE, and every FAILOVER) and the readers' breakers open, though it only reads
+        # (sent whole with EVAL, not by its SHA: loading a script is a write, refused during the pause too, and a
+        # server that just took over has none loaded)
+        if self._server_major() >= 7:
+            table = dirscripts.no_writes(dirscripts.NODE_TABLE)
+            self._node_table = lambda keys, args: self._redis.eval(table, len(keys), *keys, *args)
+        else:
+            self._node_table = self._redis.register_script(dirscripts.NODE_TABLE)
         self._expire = self._redis.register_script(dirscripts.EXPIRE)
         self._k_load, self._k_load_at = f"{n}:load", f"{n}:load_at"
         self._report_load = self._redis.register_script(dirscripts.REPORT_LOAD)
@@ -229,6 +237,20 @@ class Directory:
             args=[lease.node_id, lease.incarnation, lease.epoch, lease_ms],
         )
         return r.decode() if isinstance(r, bytes) else str(r)
+
+    def _server_major(self) -> int:
+        """The directory server's major Redis version (Valkey 8 says 7, its compatibility level); 0 if unknown."""
+        try:
+            if self.cluster:
+                from redis.cluster import RedisCluster
+
+                infos = self._redis.info("server", target_nodes=RedisCluster.PRIMARIES)
+                info = next(iter(infos.values())) if isinstance(infos, dict) else {}
+            else:
+                info = self._redis.info("server")
+            return int(str(info.get("redis_version", "0")).split(".")[0])
+        except (redis.RedisError, ValueError, StopIteration):
+            return 0
 
     def server_identity(self) -> str:
         """Which Redis server process (each master's, in Redis Cluster) holds the directory now: its run id. It

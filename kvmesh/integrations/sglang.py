@@ -351,16 +351,22 @@ class KVMeshStorage(HiCacheStorage):
     def _refresh_generation(self, force: bool = False) -> bytes:
         """The directory group of the current generation, re-read at most every `generation_refresh_s`."""
         now = time.monotonic()
-        if force or now - self._gen_at > self.options.get("generation_refresh_s", 1.0):
+        due = force or now - self._gen_at > self.options.get("generation_refresh_s", 1.0)
+        # (not while the client's breaker is open: the directory failed moments ago, and a read would wait out
+        # Redis's socket timeout on SGLang's prefetch thread, at every refresh, for nothing)
+        client = self.client
+        if due and (client is None or force or client.view.allow()):
             with self._gen_lock:
                 self._gen_at = now
                 try:
-                    assert self.client is not None, "registered"
-                    raw = self.client.directory.redis.get(self._gen_key())
+                    assert client is not None, "registered"
+                    raw = client.directory.redis.get(self._gen_key())
                     gen = int(raw) if raw is not None else 0
                 except Exception as e:  # Redis away: keep the last generation
                     self.counts["sglang_generation_errors"] += 1
                     log.debug("kvmesh: generation read failed: %s", e)
+                    if client is not None:
+                        client.view.failed()
                     gen = self._generation
                 if gen != self._generation or not self._group:
                     self._generation, self._group = gen, generation_group(self._root, gen)

@@ -46,6 +46,7 @@ class FetchOptions:
 class Fetcher:
     def __init__(self, env: sources.Env) -> None:
         self.env = env
+        self._slabs: dict[str, int] = {}  # node id -> slots in its slab, as its NodeInfo said
 
     @property
     def local_reads(self) -> bool:
@@ -65,10 +66,13 @@ class Fetcher:
         env = self.env
         if node == env.here and env.slab is not None and env.slot_bytes > 0:
             return max(1, env.slab.size // env.slot_bytes // 2)
-        info = env.view.table().by_node().get(node)
-        if info is None or info.slot_bytes <= 0:
-            return 1 << 30
-        return max(1, info.slab_bytes // info.slot_bytes // 2)
+        slots = self._slabs.get(node)
+        if slots is None:  # (once per node: the table is walked whole to find it)
+            info = env.view.table().by_node().get(node)
+            if info is None or info.slot_bytes <= 0:
+                return 1 << 30
+            slots = self._slabs[node] = info.slab_bytes // info.slot_bytes
+        return max(1, slots // 2)
 
     def plan(self, chunks: Sequence, opts: FetchOptions) -> tuple[list[Run], list[str], dict[str, int]]:
         """The runs, their sources, and the nodes whose share of the fetch is more than they may pin at once, with

@@ -233,6 +233,17 @@ class Cascade:
         self._pending[rec.key] = job  # readable from the buffer until it is on disk
         return True
 
+    def writeback_full(self) -> bool:
+        """Whether a store now would evict from the CPU tier with every write-back buffer in use: the evicted
+        chunk would be dropped instead of going to the disk. The node's store waits (briefly, not under the lock)
+        for the disk writers to give a buffer back first."""
+        return (
+            self.disk is not None
+            and not self._pool
+            and self._pool_made >= self.writeback_buffers
+            and not self.cpu._free
+        )
+
     def take_writes(self) -> list[WriteJob]:
         out, self._writes = self._writes, []
         return out

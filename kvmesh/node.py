@@ -67,6 +67,7 @@ from kvmesh.wire import PullThrough as PullRequest
 
 log = logging.getLogger("kvmesh.node")
 _SLAB_RE = re.compile(r"^kvmesh-(?P<node>[0-9a-f]+)-(?P<pid>\d+)-[0-9a-f]+(\.nodes)?$")  # and its table relay
+WRITEBACK_WAIT_S = 2.0  # a store waits at most this long, in all, for write-back buffers (then evictions drop)
 REGISTER_WAIT_S = 3.0  # a store returns once its chunks are registered, or after this (they stay queued)
 
 
@@ -475,6 +476,7 @@ class KVNode:
             raise WireError("StoreRequest: buffer size does not match the header")
         offsets = list(itertools.accumulate((i.nbytes for i in items), initial=0))
         counts: Counter[str] = Counter()
+        waits_until = time.monotonic() + WRITEBACK_WAIT_S
         # Last chunk first: the policy then holds a prompt's head as most recent, so eviction trims tails.
         for idx in range(len(items) - 1, -1, -1):
             item = items[idx]
@@ -482,9 +484,13 @@ class KVNode:
                 counts["store_refused_too_big"] += 1
                 continue
             src = buf[offsets[idx] : offsets[idx + 1]]
+            if not self._writeback_room(waits_until):
+                counts["store_writeback_waits_expired"] += 1
             with self.lock:
                 ticket = self.cascade.prepare(item.key, item.group, item.nbytes)
                 top = self.cascade.top
+                for job in self.cascade.take_writes():  # (to the disk now, not at the end: they free buffers)
+                    self._io.put(("write", job))
             if ticket is None:
                 counts["store_skipped" if self.cascade.holds(item.key) else "store_refused_full"] += 1
                 continue
@@ -509,6 +515,19 @@ class KVNode:
             seq = self._post_changes()
         self.registrar.wait(seq, REGISTER_WAIT_S)
         return counts["stored_chunks"]
+
+    def _writeback_room(self, until: float) -> bool:
+        """Before a store evicts with every write-back buffer in use (a burst larger than the slab): wait, not
+        under the lock, until the disk writers give one back, so that the evicted chunk goes to the disk instead of
+        being dropped (a prompt's middle dropped makes its tail on disk useless to a lookup). False if `until`
+        came first (a disk much slower than the stores: then they drop, as before, counted)."""
+        while True:
+            with self.lock:
+                if not self.cascade.writeback_full():
+                    return True
+            if time.monotonic() >= until or self._stop.is_set():
+                return False
+            time.sleep(0.001)
 
     def reserve_gpu(self, items: list[StoreItem], requester: str = "") -> GpuReserved:
         """Slots in the GPU tier for chunks a same-node writer copies in device to device, evicting down the

@@ -171,3 +171,22 @@ def test_a_window_fetch_leaves_room_for_stores(nodes):
         assert seen and max(seen) <= SMALL // 2, seen
     finally:
         c.close()
+
+
+def test_a_store_larger_than_the_slab_goes_to_disk_whole(nodes):
+    # one store of a prompt five times D's slab: each chunk it evicts goes to D's disk through a write-back buffer.
+    # Before, the buffers (16) were handed to the disk writers only once the whole store was done, so the chunks
+    # evicted after the 16th were dropped: the prompt's middle was lost, and with it the use of its tail on disk
+    toks, kv = data(777)
+    before = nodes["D"].stats()
+    c = client(nodes, "D")
+    try:
+        assert c.store(toks, kv) == N and c.flush() == N
+        # (a chunk on its way to the disk is in neither tier for a moment: read from its write-back buffer then)
+        wait_until(lambda: all(nodes["D"].locate(keys(toks))), 10)
+        got = c.fetch(c.lookup(toks, cost_model=False))
+        assert torch.equal(got.view(torch.uint8), kv[:, :, : N * SPEC.chunk_tokens].contiguous().view(torch.uint8))
+    finally:
+        c.close()
+    after = nodes["D"].stats()
+    assert after["write_buffers_full"] == before["write_buffers_full"]  # (drops: the full disk's own evictions)

@@ -67,6 +67,7 @@ from kvmesh.wire import PullThrough as PullRequest
 
 log = logging.getLogger("kvmesh.node")
 _SLAB_RE = re.compile(r"^kvmesh-(?P<node>[0-9a-f]+)-(?P<pid>\d+)-[0-9a-f]+(\.nodes)?$")  # and its table relay
+PIN_WAIT_S = 1.0  # a pin waits at most this long for chunks it cannot bring into the slab this moment
 WRITEBACK_WAIT_S = 2.0  # a store waits at most this long, in all, for write-back buffers (then evictions drop)
 REGISTER_WAIT_S = 3.0  # a store returns once its chunks are registered, or after this (they stay queued)
 
@@ -330,7 +331,21 @@ class KVNode:
 
     def _pin_host(self, keys: list[bytes]) -> list[int]:
         """Pin the leading run of `keys` in the CPU slab: GPU-only chunks are copied into it, disk-only ones
-        read into it (without the lock held). Call without the lock."""
+        read into it (without the lock held). Call without the lock. A chunk this node holds but cannot bring in
+        this moment (another reader's read of it in flight; every slot pinned by other readers) is waited for,
+        up to PIN_WAIT_S: readers of the same prompt, or more windowed fetches than the slab holds at once, would
+        otherwise cut each other short."""
+        slots = self._pin_host_once(keys)
+        until = time.monotonic() + PIN_WAIT_S
+        while len(slots) < len(keys) and time.monotonic() < until and not self._stop.is_set():
+            with self.lock:
+                if not self.cascade.holds(keys[len(slots)]):
+                    break  # (not here at all: the run ends)
+            time.sleep(0.002)
+            slots += self._pin_host_once(keys[len(slots) :])
+        return slots
+
+    def _pin_host_once(self, keys: list[bytes]) -> list[int]:
         with self.lock:
             n, reads = self.cascade.prepare_host(keys)
         ok = self.cascade.run_reads(reads) if reads else []

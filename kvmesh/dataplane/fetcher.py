@@ -41,6 +41,11 @@ class FetchOptions:
     coalesce: bool = False  # peer chunks come through this node's KVNode (needs `group`)
     group: bytes = b""  # the prompt's directory group: where chunks pulled through this node register
     per_batch: int = 8  # chunks per peer request
+    # this node's slab slots are adopted by a sink (read in place, zero-copy) only by a fetch that ends within this:
+    # half the node's pin TTL. A pin that lapsed under an adopted slot would let the sink's copy, made at the end of
+    # the fetch, read the bytes of whatever chunk took the slot, after they were checked. Longer fetches copy
+    # (checked after the copy)
+    adopt_within_s: float = float("inf")
 
 
 class Fetcher:
@@ -105,7 +110,9 @@ class Fetcher:
         if orphans is not None:
             orphans.reap()  # pins of earlier fetches that came after their deadline
         runs, kinds, budgets = self.plan(chunks, opts)
-        copy = env.here in budgets  # this node's windows are copied into the sink: unpinned as each is done
+        # this node's windows are copied into the sink (unpinned as each is done); so is a fetch that may outlast
+        # the pins it would adopt
+        copy = env.here in budgets or opts.deadline - t0 > opts.adopt_within_s
         sink.prepare([i for r, k in zip(runs, kinds) if k in ("tcp", "ray") or copy and k in PINNED for i in r.indices])
         transfers: list[sources.Transfer | None] = [None] * len(runs)
         waiting: dict[str, list[int]] = {}  # node -> its windows not begun yet, in order

@@ -51,7 +51,7 @@ class FetchOptions:
 class Fetcher:
     def __init__(self, env: sources.Env) -> None:
         self.env = env
-        self._slabs: dict[str, int] = {}  # node id -> slots in its slab, as its NodeInfo said
+        self._slabs: dict[tuple[str, int], int] = {}  # (node id, incarnation) -> slots in its slab
 
     @property
     def local_reads(self) -> bool:
@@ -64,19 +64,22 @@ class Fetcher:
             return "via"
         return opts.transport
 
-    def budget(self, node: str) -> int:
+    def budget(self, node: str, incarnation: int = 0) -> int:
         """Chunks one fetch may have pinned at a time in `node`'s slab (this node's for "slab" and "via" runs, the
         holder's for "tcp" and "ray" ones): half of it; the rest serves other readers, stores and the node's own
-        reads. Unbounded for a node this view does not know (its runs fail as they begin)."""
+        reads. Unbounded for a node this view does not know (its runs fail as they begin). `incarnation`: the one
+        the lookup named (a node that restarted may have another slab)."""
         env = self.env
         if node == env.here and env.slab is not None and env.slot_bytes > 0:
             return max(1, env.slab.size // env.slot_bytes // 2)
-        slots = self._slabs.get(node)
-        if slots is None:  # (once per node: the table is walked whole to find it)
+        slots = self._slabs.get((node, incarnation))
+        if slots is None:  # (once per incarnation: the table is walked whole to find it)
             info = env.view.table().by_node().get(node)
             if info is None or info.slot_bytes <= 0:
                 return 1 << 30
-            slots = self._slabs[node] = info.slab_bytes // info.slot_bytes
+            slots = info.slab_bytes // info.slot_bytes
+            if incarnation and info.incarnation == incarnation:
+                self._slabs[(node, incarnation)] = slots
         return max(1, slots // 2)
 
     def plan(self, chunks: Sequence, opts: FetchOptions) -> tuple[list[Run], list[str], dict[str, int]]:
@@ -87,10 +90,12 @@ class Fetcher:
         runs = plan_runs(chunks, here, self.local_reads, opts.per_batch) if chunks else []
         kinds = [self.kind(r, opts) for r in runs]
         load: dict[str, int] = {}
+        incarnations: dict[str, int] = {}
         for r, k in zip(runs, kinds):
             node = self._pins_on(r, k)
             load[node] = load.get(node, 0) + len(r.keys)
-        budgets = {node: b for node, n in load.items() if n > (b := self.budget(node))}
+            incarnations[node] = r.incarnation
+        budgets = {node: b for node, n in load.items() if n > (b := self.budget(node, incarnations[node]))}
         if budgets:
             local = budgets.get(self.env.here)
             window = max(1, local // 2) if local else None  # two in flight

@@ -175,3 +175,25 @@ def test_a_fetch_that_may_outlast_its_pins_does_not_read_a_reused_slot(mesh):
         load.release()
         cd.close()
         cb.close()
+
+
+def test_a_holder_back_with_a_smaller_slab_gets_windows_sized_to_it(mesh):
+    # a client learns a holder's slab size once per incarnation: keyed by node id alone, a holder that came back
+    # with a smaller slab (a config change, a fuller /dev/shm) kept its old size in every long-lived client, which
+    # then asked it for more at once than its slab holds, and got that much only
+    m = mesh(B=dict(disk_bytes=128 * SLOT), R={})
+    c = m.client("R")
+    try:
+        warm = data(1, 2)
+        on_disk(m, "B", [warm])
+        assert exact(c.fetch(c.lookup(warm[0], cost_model=False)), warm[1], 2)  # (B's 64 slots, learned)
+        old = m.nodes["B"]
+        old.shutdown()
+        b = m.nodes["B"] = KVNode(old.config.replace(cpu_bytes=4 * SLOT), old.node_id, "kvnode-B2")
+        b.peers = old.peers
+        toks, kv = data(2, 20)
+        on_disk(m, "B", [(toks, kv)])
+        wait_until(lambda: c.lookup(toks, cost_model=False).num_chunks == 20, 10)
+        assert exact(c.fetch(c.lookup(toks, cost_model=False)), kv, 20)
+    finally:
+        c.close()

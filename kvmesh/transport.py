@@ -149,6 +149,26 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: float, cancel: t
             continue
 
 
+def _recv_frame_by(sock: socket.socket, deadline: float, cancel: threading.Event | None) -> bytes:
+    """`_recv_frame` by the deadline, ending within RECV_STEP_S of `cancel` (a slow peer's reply header would
+    otherwise keep a fetch that already ended waiting for it)."""
+
+    def exact(n: int) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = _recv_into(sock, view[got:], deadline, cancel)
+            if not k:
+                raise ConnectionError("peer closed the connection")
+            got += k
+        return bytes(buf)
+
+    (n,) = _LEN.unpack(exact(4))
+    if n > MAX_FRAME:
+        raise WireError(f"frame of {n} bytes is too large")
+    return exact(n)
+
+
 class DataClient:
     """Pulls chunks from peers' DataServers, keeping one idle connection per peer for reuse."""
 
@@ -197,7 +217,7 @@ class DataClient:
             try:
                 sock.settimeout(max(0.01, deadline - time.monotonic()))
                 _send_frame(sock, pack_keys(keys, requester))
-                rows = unpack_chunk_header(_recv_frame(sock))
+                rows = unpack_chunk_header(_recv_frame_by(sock, deadline, cancel))
                 break
             except (OSError, WireError) as e:
                 sock.close()

@@ -48,3 +48,24 @@ def test_a_failed_accept_does_not_stop_the_data_server():
     finally:
         client.close()
         server.shutdown()
+
+
+def test_a_cancelled_pull_stops_waiting_for_a_silent_peers_reply():
+    # a fetch that already knows its result cancels its later runs; a pull waiting for a slow peer's reply header
+    # waited out the whole deadline (6 s of a 10 s fetch in the hunt's run) instead of ~0.1 s
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    address = "127.0.0.1:%d" % listener.getsockname()[1]
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    t0 = time.monotonic()
+    try:
+        done, err = DataClient().pull(address, [b"k" * 16], 64, lambda j: [np.zeros(64, np.uint8)],
+                                      time.monotonic() + 10.0, cancel=cancel)
+    finally:
+        listener.close()
+    assert done == 0 and isinstance(err, TimeoutError)
+    assert time.monotonic() - t0 < 1.5

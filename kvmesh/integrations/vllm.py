@@ -54,7 +54,12 @@ import os
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvmesh.integrations.vllm_meta import StepMeta
@@ -158,6 +163,12 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
             else None
         )
         specs = specs_for_vllm(vllm_config, kv_cache_config, self.options, tp_rank, kv_format=kv_format)
+        if len(groups) > 1 and self.options.load_mode == "sync":
+            raise ValueError(
+                "kvmesh vLLM connector: load_mode='sync' is not supported for a model with several KV cache groups "
+                f"({len(groups)}: sliding-window and full-attention layers): vLLM cannot recompute a failed load "
+                "made in the step there; use load_mode='async' (the default)"
+            )
         spec = specs[0]
         block_size = groups[0].kv_cache_spec.block_size
         kv_role = self._kv_transfer_config.kv_role
@@ -294,6 +305,14 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side.load_errors()
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """vLLM's `get_finished`, with the failed loads of a model with several KV cache groups: vLLM maps failed
+        block ids back to requests only with one group (and stops the engine otherwise), so those come per
+        request, which it recomputes from the first token."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker_side.failed_requests() if self._worker is not None else set()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), failed)
 
     def build_connector_worker_meta(self):
         return self._worker_side.take_report()

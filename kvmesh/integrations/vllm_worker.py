@@ -116,6 +116,11 @@ class WorkerSide:
         self._async_loads = 0  # asynchronous loads queued and not ended
         self._req_loads: Counter[str] = Counter()  # request -> its asynchronous loads (one per group) not ended
         self._errors: set[int] = set()  # failed blocks not yet reported
+        # a model with several KV cache groups: vLLM takes a failed load per request (block ids are per group), and
+        # recomputes it from its first token (asynchronous loads only: `load_mode="sync"` is refused for it)
+        self.per_request_failures = len(layer_names) > 1
+        self._failed_reqs: set[str] = set()  # requests with a failed load, reported with their end
+        self._failed_out: set[str] = set()  # taken with the finished loads, returned by failed_requests()
         self._reported_errors: set[int] = set()  # taken with the finished loads, returned by load_errors()
         self._pending_saves: Counter[str] = Counter()  # save jobs whose blocks have not been read yet
         self._saved_from: set[str] = set()  # requests with save jobs (the scheduler keeps their blocks)
@@ -308,6 +313,8 @@ class WorkerSide:
             self._recved.clear()
             self._reported_errors |= self._errors
             self._errors = set()
+            self._failed_out |= self._failed_reqs & recving  # (reported no later than their end, as vLLM asks)
+            self._failed_reqs -= recving
             for r in finished_req_ids or ():
                 if r in self._saved_from:
                     self._saved_from.discard(r)
@@ -318,6 +325,13 @@ class WorkerSide:
                 self._pending_saves.pop(r, None)
             self.counts["vllm_kept_blocks_released"] += len(sending)
         return sending or None, recving or None
+
+    def failed_requests(self) -> set[str]:
+        """Requests among the loads that ended whose load failed (a model with several KV cache groups)."""
+        with self.mu:
+            out, self._failed_out = self._failed_out, set()
+            self.counts["vllm_load_failed_requests"] += len(out)
+        return out
 
     def load_errors(self) -> set[int]:
         with self.mu:
@@ -354,7 +368,11 @@ class WorkerSide:
             # any stream once it hears of the end, so they must have landed by then
             torch.cuda.current_stream(self.layers[0].device).synchronize()
         with self.mu:
-            self._errors.update(failed)
+            if self.per_request_failures:
+                if failed:
+                    self._failed_reqs.add(job.req_id)
+            else:
+                self._errors.update(failed)
             if failed:
                 self.counts["vllm_load_failed_chunks"] += -(-len(failed) // self.per_chunk)
                 node = next((f.unreachable for f, i in ld.parts if i >= f.got and f.unreachable), "")

@@ -148,3 +148,37 @@ def test_the_window_chunks_loaded_are_the_ones_vllm_attends_to(engines, arch):
             len(window_chunks(s)) for s in e["specs"])
     assert outs["ctl-right"]["ids"] == ref and outs["ctl-right"]["cached"] >= PREFIX
     assert outs["ctl-noise"]["ids"] != ref
+
+
+def test_a_failed_load_of_a_hybrid_model_is_recomputed_not_fatal(engines, vllm_mesh):
+    # vLLM maps failed block ids back to requests only for one KV cache group: with two (Gemma 2) a failed load
+    # reported that way stopped the engine (RuntimeError from its scheduler). The connector reports the request
+    # instead, which vLLM recomputes from its first token (found by a vLLM hunt)
+    from kvmesh.mesh import node_actors
+    from kvmesh.wire import pack_keys, unpack_pin_reply
+
+    e = engines["gemma2"]
+    a, b = e["A"], e["B"]
+    cluster, mesh = vllm_mesh
+    prefix = tokens(1500, PREFIX)
+    pa, pb = prefix + tokens(1501, SUFFIX), prefix + tokens(1502, SUFFIX)
+    gen(a, [pa])
+    full = next(c for c in e["clients"] if not c.spec.window)
+    for c in e["clients"]:
+        wait_until(lambda c=c: held(c, pa) == len(window_chunks(c.spec)), 30)
+    key = full.hashes(pa)[1]  # a byte of chunk 1 of the full-attention group flipped in node 1's slab
+    actor = node_actors()[cluster.node_ids()[1]]
+    pin_id, rows, path, _ = unpack_pin_reply(ray.get(actor.pin.remote(pack_keys([key]))))
+    ray.get(actor.unpin.remote(pin_id))
+    with open(path, "r+b") as f:
+        f.seek(rows[0].slot * mesh.config.slot_bytes + 1000)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+    before = counts(b)
+    out = gen(b, [pb])
+    worker = delta(counts(b)["worker"], before["worker"])
+    print(f"\ngemma2 B with a corrupt chunk: {worker}")
+    assert out[0]["ids"] == gen(b, [pb], recompute=True)[0]["ids"]
+    assert worker.get("vllm_load_failed_requests") == 1 and not worker.get("vllm_load_failed_blocks")
+    assert gen(b, [tokens(1503, 200)])[0]["ids"]  # the engine still serves

@@ -15,7 +15,10 @@ Sources, by `kind`:
     tcp     another node's DataServer: the bytes are received straight into the sink, checked as they arrive
     ray     another node's actor, through Ray's object store (the fallback transport)
 
-A chunk that fails its checksum is reported to the node that holds the bad copy (which re-verifies and drops it).
+A chunk that fails its checksum is reported to the node that holds the bad copy, with the rest of its run: the node
+re-verifies each and drops the bad ones. (Reported alone, the bad chunks after it stayed listed, so a writer that
+skips what is listed repaired one chunk per request: a prompt whose chunks were all damaged took as many requests
+as it has chunks to be served again.)
 """
 
 from __future__ import annotations
@@ -176,7 +179,7 @@ class PinnedTransfer(Transfer):
         checksum ends the run there instead (and is reported to the node); those before it are committed."""
         for j, key, want, check in checks:
             if check.result() != want:
-                self._local.report_corrupt([key])
+                self._local.report_corrupt(list(self.run.keys[j:]))  # (see `report_corrupt` below)
                 return Landed(j, "checksum", corrupt=True)
             self.sink.commit(self.run.start + j, want)
         return landed
@@ -242,7 +245,7 @@ class TcpTransfer(Transfer):
         if isinstance(err, ChecksumError):
             holder = self.env.peers(run.holder)
             if holder is not None:
-                holder.report_corrupt([run.keys[k]])
+                holder.report_corrupt(list(run.keys[k:]))
             return Landed(k, "checksum", corrupt=True)
         return Landed(k, _error_of(err))
 
@@ -276,7 +279,7 @@ class RayTransfer(Transfer):
                 return Landed(j, "peer_error")
             piece = p.data[off : off + nbytes]
             if checksum(piece) != want:  # damaged on the way (the holder checked before sending)
-                self._holder.report_corrupt([run.keys[j]])
+                self._holder.report_corrupt(list(run.keys[j:]))
                 return Landed(j, "checksum", corrupt=True)
             self.sink.put(run.start + j, piece)
             self.sink.commit(run.start + j, want)

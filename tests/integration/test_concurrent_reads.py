@@ -197,3 +197,30 @@ def test_a_holder_back_with_a_smaller_slab_gets_windows_sized_to_it(mesh):
         assert exact(c.fetch(c.lookup(toks, cost_model=False)), kv, 20)
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("reader", ["A", "C"], ids=["slab", "tcp"])
+def test_every_damaged_chunk_of_a_run_is_dropped_at_once(mesh, reader):
+    # a fetch stops at the first chunk that fails its checksum; it reported that one only, so the damaged chunks
+    # after it stayed listed, and a writer that skips listed chunks (SGLang's write-back) repaired one per request
+    m = mesh(A={}, C={})
+    toks, kv = data(5, 6)
+    c = m.client("A")
+    assert c.store(toks, kv) == 6 and c.flush() == 6
+    c.close()
+    ks = keys(toks)
+    for i in (2, 3, 4):
+        (_tier, path, offset), = m.nodes["A"].locate([ks[i]])[0]
+        with open(path, "r+b") as f:
+            f.seek(offset + 1000)
+            b = f.read(1)
+            f.seek(offset + 1000)
+            f.write(bytes([b[0] ^ 0x20]))
+    r = m.client(reader)
+    try:
+        assert exact(r.fetch(r.lookup(toks, cost_model=False)), kv, 2)
+        wait_until(lambda: r.lookup(toks, cost_model=False).num_chunks == 2, 5)
+        assert m.nodes["A"].stats()["corrupt_dropped"] == 3
+        assert r.lookup_keys(ks[0], ks[5:]).num_chunks == 1  # (the good one after them stays)
+    finally:
+        r.close()

@@ -177,9 +177,9 @@ class PinnedTransfer(Transfer):
     def _settle(self, checks: list, landed: Landed) -> Landed:
         """`landed`, once the checks of the chunks copied before it ended are in: the first chunk that failed its
         checksum ends the run there instead (and is reported to the node); those before it are committed."""
-        for j, key, want, check in checks:
+        for j, _key, want, check in checks:
             if check.result() != want:
-                self._local.report_corrupt(list(self.run.keys[j:]))  # (see `report_corrupt` below)
+                self._local.report_corrupt(list(self.run.keys[j:]))  # (with the rest: see the module docstring)
                 return Landed(j, "checksum", corrupt=True)
             self.sink.commit(self.run.start + j, want)
         return landed

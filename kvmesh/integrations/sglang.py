@@ -59,6 +59,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -68,7 +69,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from kvmesh.client import KVMeshClient, connect
+from kvmesh.client import MAX_DEADLINE_S, KVMeshClient, connect
 from kvmesh.hashing import HASH_BYTES, root_hash, salt_bytes
 from kvmesh.integrations.identity import local_model_id, model_fingerprint  # noqa: F401 (model_fingerprint: API)
 from kvmesh.spec import KVFormat, KVSpec
@@ -88,6 +89,7 @@ OPTIONS: dict[str, Any] = {  # name -> what isinstance() accepts
     "fetch_timeout_s": (int, float),  # deadline of one batch_get
     "generation_refresh_s": (int, float),  # how often the generation is re-read (another engine may clear)
 }
+MAX_SECONDS = {"fetch_timeout_s": MAX_DEADLINE_S, "generation_refresh_s": 3600.0}  # options' upper bounds
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 # Bumped whenever this backend changes how it writes a page's bytes: pages written before are then never read.
 SGLANG_FORMAT_VERSION = 1
@@ -113,8 +115,13 @@ def parse_options(extra: dict | None) -> dict:
                     f"kvmesh SGLang backend: extra_config[{name!r}] must be a non-empty "
                     f"{getattr(kind, '__name__', 'number')}, got {v!r}"
                 )
-            if kind is not str and v <= 0:
-                raise ValueError(f"kvmesh SGLang backend: extra_config[{name!r}] must be > 0, got {v!r}")
+            # (SGLang's JSON takes NaN and Infinity: a deadline of either made every read a miss, forever)
+            if kind is not str and not 0 < v <= MAX_SECONDS.get(name, math.inf):  # (false for NaN too)
+                raise ValueError(
+                    f"kvmesh SGLang backend: extra_config[{name!r}] must be a finite number > 0"
+                    + (f" and <= {MAX_SECONDS[name]:g}" if name in MAX_SECONDS else "")
+                    + f", got {v!r}"
+                )
             out[name] = v
     return out
 
@@ -315,9 +322,15 @@ class KVMeshStorage(HiCacheStorage):
                 return
             self.client.close()
         node_id = self.options.get("ray_node_id") or os.environ.get("KVMESH_RAY_NODE_ID") or None
-        client = connect(
-            spec, self.options.get("redis_url"), cache_salt=self.options.get("cache_salt"), node_id=node_id
-        )
+        try:
+            client = connect(
+                spec, self.options.get("redis_url"), cache_salt=self.options.get("cache_salt"), node_id=node_id
+            )
+        except RuntimeError as e:
+            if node_id is None or "Ray node" not in str(e):
+                raise
+            named = "extra_config['ray_node_id']" if self.options.get("ray_node_id") else "$KVMESH_RAY_NODE_ID"
+            raise ValueError(f"kvmesh SGLang backend: {named} is {node_id!r}: {e}") from None
         client.counts.update(self.counts)
         self.client, self.spec, self.counts = client, spec, client.counts
         self._layout = mem_pool_host.layout

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,7 @@ _KINDS: dict[str, Any] = {
     "save_copy": str,
     "kv_format": str,
 }
+MAX_SECONDS = {"fetch_timeout_s": 86400.0}  # (the client's own bound on a fetch deadline)
 # keys that are vLLM's or another connector's, not ours (MultiConnector passes its own through)
 _FOREIGN = ("connectors",)
 
@@ -87,11 +89,11 @@ def parse_options(extra: dict | None) -> ConnectorOptions:
             not isinstance(v, kind)
             or (kind is not bool and isinstance(v, bool))
             or (kind is str and not v)
-            or (kind in (int, (int, float)) and v <= 0)
+            or (kind in (int, (int, float)) and not 0 < v <= MAX_SECONDS.get(name, math.inf))  # (NaN too)
         )
         if bad:
             what = {str: "a non-empty string", int: "a positive integer", bool: "true or false"}.get(
-                kind, "a positive number"
+                kind, f"a finite number > 0 and <= {MAX_SECONDS.get(name, math.inf):g}"
             )
             raise ValueError(f"kvmesh vLLM connector: kv_connector_extra_config[{name!r}] must be {what}, got {v!r}")
         out[name] = v

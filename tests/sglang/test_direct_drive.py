@@ -393,3 +393,22 @@ def test_what_the_pool_does_not_say_comes_from_the_server_args():
                for change in ({"quantization": "fp8"}, {"json_model_override_args": '{"rope_theta": 1e6}'},
                               {"dtype": "float32"})]
     assert len({plain.namespace, *changed}) == 4
+
+
+@pytest.mark.parametrize("bad", [{"fetch_timeout_s": float("nan")}, {"fetch_timeout_s": float("inf")},
+                                 {"fetch_timeout_s": 1e6}, {"generation_refresh_s": float("nan")},
+                                 {"fetch_timeout_s": 0}, {"cache_salt": ""}])
+def test_bad_options_are_refused_at_construction_naming_them(bad):
+    # SGLang's JSON takes NaN and Infinity: such a deadline was accepted, and every read then failed (a miss,
+    # forever, behind healthy-looking exists counts)
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    from kvmesh.integrations.sglang import parse_options
+
+    (name,) = bad
+    with pytest.raises(ValueError, match=name):
+        parse_options(bad)
+
+
+def test_a_ray_node_id_where_no_kvnode_runs_is_a_clear_error_naming_the_option(sgl_cluster):
+    with pytest.raises(ValueError, match=r"extra_config\['ray_node_id'\] is 'ff"):
+        Engine(seed=4, ray_node_id="ff" * 28)

@@ -72,6 +72,9 @@ def test_options_are_type_checked_and_unknown_keys_named():
                       ({"chunk_tokens": True}, "chunk_tokens"), ({"cost_model": 1}, "cost_model"),
                       ({"load_mode": "eager"}, "load_mode"), ({"cache_salt": ""}, "cache_salt"),
                       ({"cache_salt": "a\x00b"}, "cache_salt"), ({"fetch_timeout_s": -1}, "fetch_timeout_s"),
+                      ({"fetch_timeout_s": float("nan")}, "fetch_timeout_s"),
+                      ({"fetch_timeout_s": float("inf")}, "fetch_timeout_s"),
+                      ({"fetch_timeout_s": 1e6}, "fetch_timeout_s"),
                       ({"save_copy": "later"}, "save_copy"), ({"ray_address": 5}, "ray_address")):
         with pytest.raises(ValueError, match=name):
             parse_options(bad)

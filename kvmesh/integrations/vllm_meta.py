@@ -61,8 +61,12 @@ class WorkerReport(KVConnectorWorkerMetadata):
     prefills: list[tuple[int, int, float]] = field(default_factory=list)  # (new, past, seconds)
     transfers: list[tuple[str, int, float]] = field(default_factory=list)  # (source, bytes, seconds)
     failed_loads: list[tuple[str, str]] = field(default_factory=list)  # (request, unreachable holder node or "")
+    resave: list[str] = field(default_factory=list)  # requests whose saves of a step were dropped: save them again
 
     def aggregate(self, other: WorkerReport) -> WorkerReport:
         return WorkerReport(
-            self.prefills + other.prefills, self.transfers + other.transfers, self.failed_loads + other.failed_loads
+            self.prefills + other.prefills,
+            self.transfers + other.transfers,
+            self.failed_loads + other.failed_loads,
+            self.resave + other.resave,
         )

@@ -378,6 +378,10 @@ class SchedulerSide:
                 if node:
                     self._unreachable[node] = time.monotonic() + client.config.lease_s
                     self.counts["vllm_unreachable_reports"] += 1
+            for req_id in report.resave:  # (a step's saves dropped because a load in it failed)
+                st = self._reqs.get(req_id)
+                if st is not None:
+                    st.saved = None
             cost = client.cost
             for n_new, n_past, seconds in report.prefills:
                 cost.prefill.observe(n_new, n_past, seconds)

@@ -258,12 +258,17 @@ class WorkerSide:
             with self.mu:
                 self.report.prefills.append((*meta.prefill, time.perf_counter() - self._step_t0))
         self._step_t0 = None
-        # What this step computed for a request whose load in the same step failed attended to blocks that were
-        # never loaded: vLLM throws it away and recomputes, and it must never be stored (it would be served, under
-        # its prompt's own hash, as that prompt's KV)
-        saves = [job for job in meta.saves if job.req_id not in failed]
+        # What this step computed over blocks a failed load never wrote is garbage: vLLM throws it away and
+        # recomputes, and it must never be stored (it would be served, under its prompt's own hash, as that
+        # prompt's KV). That is the failed request's own, and any other request's in the step that shares those
+        # blocks through vLLM's prefix cache (vLLM caches a step's sync-loaded blocks as it allocates them). Which
+        # ones share is not known here, so a step with a failed load saves nothing; the scheduler saves those
+        # requests again from where they were (`WorkerReport.resave`)
+        saves = [] if failed else list(meta.saves)
         if len(saves) < len(meta.saves):
             self.count("vllm_saves_dropped_failed_load", len(meta.saves) - len(saves))
+            with self.mu:
+                self.report.resave.extend(dict.fromkeys(job.req_id for job in meta.saves))
         if not self.save or not saves or not self.layers:
             return
         if not self.background_copy:  # the one stall a save costs the step loop: a copy into staging
@@ -342,7 +347,7 @@ class WorkerSide:
     def take_report(self) -> WorkerReport | None:
         with self.mu:
             r = self.report
-            if not r.prefills and not r.transfers and not r.failed_loads:
+            if not r.prefills and not r.transfers and not r.failed_loads and not r.resave:
                 return None
             self.report = WorkerReport()
         return r

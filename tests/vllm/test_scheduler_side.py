@@ -142,6 +142,20 @@ def test_a_failed_load_is_not_offered_again_and_its_holder_is_avoided():
     assert client.counts["vllm_cut_unreachable_chunks"] == 2
 
 
+def test_a_step_whose_saves_were_dropped_saves_those_requests_again():
+    # a step with a failed load saves nothing (what it computed may rest on blocks never loaded): the workers say
+    # which requests lost their saves, and the next step saves them from what vLLM holds of them then
+    s, _ = side(cached=0)
+    r = request("r", 1100)
+    s.lookup(r, 0)
+    blocks = {"r": list(range(10, 19))}
+    m1 = s.build_step(step(new=[("r", 0)], scheduled={"r": 600}, blocks=blocks))
+    assert [(j.first_chunk, j.end_chunk) for j in m1.saves] == [(0, 2)]
+    s.worker_output(set(), WorkerReport(resave=["r", "gone"]))  # (a request that finished meanwhile: ignored)
+    m2 = s.build_step(step(cached=[("r", 256)], scheduled={"r": 600}, blocks=blocks))  # vLLM recomputes from 256
+    assert [(j.first_chunk, j.end_chunk) for j in m2.saves] == [(1, 3)]
+
+
 def test_a_salted_request_gets_the_engine_salt_in_front():
     s, client = side(cached=0, cache_salt="eng")
     s.lookup(request("r", 300, salt="t1"), 0)

@@ -492,9 +492,13 @@ class KVMeshStorage(HiCacheStorage):
         c = self.counts
         refused = c["store_no_local_node"] + c["store_dropped_busy"]
         assert self.client is not None, "registered"
+        # (waited for at most a read's deadline: the lock is the prefetch thread's too, and a node that stalls
+        # must not hold SGLang's reads behind a write for flush's default 30 s; a write not done by then is one
+        # SGLang counts as failed, and the node still stores it)
+        timeout = self.options.get("fetch_timeout_s", self.client.config.fetch_timeout_s)
         with self._io:
             sent = self.client.store_keys(group, page_keys(group, keys), chunks)
-            stored = self.client.flush() if sent else 0
+            stored = self.client.flush(timeout) if sent else 0
         return stored == sent and c["store_no_local_node"] + c["store_dropped_busy"] == refused
 
     def batch_set_v1(

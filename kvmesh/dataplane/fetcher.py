@@ -7,11 +7,12 @@
    "via"), the holder's DataServer ("tcp") or its actor ("ray");
 3. begin every run at once: pins and pulls go out together, receives run on pool threads, so runs from different
    holders (and batches of one holder) proceed in parallel into their own places in the sink. Except where a
-   node's share of the fetch is more chunks than half its slab (this node's for "slab" and "via" runs, which it
-   pins for the reader; a holder's for the batches it pins to send): that node's runs come in windows, each begun
-   once the ones before it are released, so that at most half its slab is pinned for the fetch at a time, and
-   this node's are copied into the sink (never adopted: an adopted slot stays pinned until the sink lets go).
-   Without that, a prompt larger than a slab (its chunks on disk, or pulled through) could never be read whole;
+   node must bring more chunks into its slab for the fetch than half of it (chunks on its disk or GPU tier, or
+   pulled through it; this node for "slab" and "via" runs, which it pins for the reader, a holder for the batches
+   it pins to send): that node's runs come in windows, each begun once the ones before it are released, so that
+   at most half its slab is pinned for the fetch at a time, and this node's are copied into the sink (never
+   adopted: an adopted slot stays pinned until the sink lets go). Without that, a prompt larger than a slab could
+   never be read whole. (Chunks already in a slab need no room: pinned where they lie, adopted zero-copy.)
 4. complete the runs in order; the first one that comes up short ends the fetch there: later runs are stopped,
    and the result is the leading run of chunks that arrived intact;
 5. release every run, whatever happened (pins, receiving threads), then `sink.finish(delivered)`.
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from kvmesh.dataplane import sources
 from kvmesh.dataplane.planner import Run, plan_runs
 from kvmesh.match import FetchStats, RunStats
-from kvmesh.tiers import TIER_DISK
+from kvmesh.tiers import TIER_CPU, TIER_DISK
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +93,12 @@ class Fetcher:
         load: dict[str, int] = {}
         incarnations: dict[str, int] = {}
         for r, k in zip(runs, kinds):
+            # what the node must bring into its slab for the fetch: all of a "via" run (pulled from its holder);
+            # of a run it holds, what is not in its slab already (on its disk or GPU tier, as the lookup found it).
+            # Chunks already in a slab are pinned where they lie, whatever their number, and adopted zero-copy
             node = self._pins_on(r, k)
-            load[node] = load.get(node, 0) + len(r.keys)
+            need = len(r.keys) if k == "via" else sum(t != TIER_CPU for t in r.tiers)
+            load[node] = load.get(node, 0) + need
             incarnations[node] = r.incarnation
         budgets = {node: b for node, n in load.items() if n > (b := self.budget(node, incarnations[node]))}
         if budgets:

@@ -224,3 +224,22 @@ def test_every_damaged_chunk_of_a_run_is_dropped_at_once(mesh, reader):
         assert r.lookup_keys(ks[0], ks[5:]).num_chunks == 1  # (the good one after them stays)
     finally:
         r.close()
+
+
+def test_chunks_already_in_the_slab_are_read_in_one_run_however_many(mesh):
+    # windows are for what a node must bring into its slab: twelve chunks that already lie in a 16-slot slab are
+    # pinned where they lie in one run (and a device sink reads them in place), not copied window by window
+    m = mesh(A=dict(cpu_bytes=16 * SLOT))
+    toks, kv = data(7, 12)
+    c = m.client("A")
+    try:
+        assert c.store(toks, kv) == 12 and c.flush() == 12
+        load, n = c.fetch_to_device(c.lookup(toks, cost_model=False), "cpu")
+        try:
+            got = load.staging[:n].permute(1, 2, 0, 3, 4, 5).reshape(SPEC.kv_shape(n * CT))
+            assert n == 12 and exact(got, kv, 12)
+        finally:
+            load.release()
+        assert [(r.source, r.asked) for r in c.last_fetch.runs] == [("slab", 12)]
+    finally:
+        c.close()

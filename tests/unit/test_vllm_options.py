@@ -2,6 +2,7 @@
 config objects (the module reads them by attribute; the real ones are exercised by tests/vllm)."""
 
 import os
+import time
 from types import SimpleNamespace as NS
 
 import pytest
@@ -180,3 +181,32 @@ def test_lora_identity_fingerprints_local_adapters(tmp_path):
     (d / "adapter_config.json").write_text('{"r": 16}')  # another adapter config: another identity
     assert lora_identity(NS(lora_name="sql", lora_path=str(d)), {}) != first
     assert os.path.isdir(d)
+
+
+def test_a_model_fingerprint_is_read_from_its_cache_while_the_files_are_unchanged(tmp_path, monkeypatch):
+    # hashing every weight byte takes minutes for a large model, in every engine process: kept by the files' stat
+    import kvmesh.integrations.identity as identity
+
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"w" * 1000)
+    old = time.time() - 10  # (files changed in the last CACHE_MIN_AGE_S are never cached: a coarse clock could
+    for f in d.iterdir():  # give a rewrite the same timestamp)
+        os.utime(f, (old, old))
+    first = identity.model_fingerprint(str(d))
+    reads = []
+    real_open = open
+
+    def counting_open(file, *a, **k):
+        reads.append(str(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    assert identity.model_fingerprint(str(d)) == first
+    assert not any(r.endswith("model.safetensors") for r in reads)  # from the cache
+    monkeypatch.setattr("builtins.open", real_open)
+    (d / "model.safetensors").write_bytes(b"v" * 1000)  # same size, rewritten just now: hashed again
+    assert identity.model_fingerprint(str(d)) != first
+    assert identity.model_fingerprint(str(d)) != first

@@ -151,3 +151,21 @@ def start_engine(node_id: str, workdir: str, model_dir: str, **kw):
 
 def delta(after: dict, before: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def corrupt_in_slab(node_id: str, key: bytes, slot_bytes: int) -> None:
+    """Flip a byte of chunk `key` in the node's shared-memory slab, as a memory error would."""
+    import ray
+
+    from kvmesh.mesh import node_actors
+    from kvmesh.wire import pack_keys, unpack_pin_reply
+
+    actor = node_actors()[node_id]
+    pin_id, rows, path, _ = unpack_pin_reply(ray.get(actor.pin.remote(pack_keys([key]))))
+    ray.get(actor.unpin.remote(pin_id))
+    assert len(rows) == 1, "the chunk is not in the node's slab"
+    with open(path, "r+b") as f:
+        f.seek(rows[0].slot * slot_bytes + 1000)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))

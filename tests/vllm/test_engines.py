@@ -24,7 +24,7 @@ import kvmesh
 from kvmesh.spec import KVSpec
 from tests.conftest import dead_directory, reachable, says_directory_unreachable, wait_until
 from tests.golden import check_golden
-from tests.vllm.engines import delta, make_model, start_engine, tokens
+from tests.vllm.engines import corrupt_in_slab, delta, make_model, start_engine, tokens
 
 # the first test of the module also waits for its engines to start (minutes on a busy 2-core machine), and
 # pytest-timeout counts fixture setup in the test's time
@@ -234,19 +234,7 @@ def test_tenants_with_different_cache_salts_never_share(engines):
 
 def corrupt_chunk(engines, mesh, node_id: str, prompt: list[int], index: int) -> None:
     """Flip a byte of chunk `index` of `prompt` in the node's shared-memory slab, as a memory error would."""
-    from kvmesh.mesh import node_actors
-    from kvmesh.wire import pack_keys, unpack_pin_reply
-
-    key = engines["client"].hashes(prompt)[index]
-    actor = node_actors()[node_id]
-    pin_id, rows, path, _ = unpack_pin_reply(ray.get(actor.pin.remote(pack_keys([key]))))
-    ray.get(actor.unpin.remote(pin_id))
-    assert len(rows) == 1
-    with open(path, "r+b") as f:
-        f.seek(rows[0].slot * mesh[1].config.slot_bytes + 1000)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0x40]))
+    corrupt_in_slab(node_id, engines["client"].hashes(prompt)[index], mesh[1].config.slot_bytes)
 
 
 def test_a_chunk_that_fails_to_load_is_recomputed_by_vllm_with_identical_output(engines, vllm_mesh):

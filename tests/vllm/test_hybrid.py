@@ -23,7 +23,7 @@ import torch
 import kvmesh
 from kvmesh.spec import KVSpec
 from tests.conftest import wait_until
-from tests.vllm.engines import delta, make_model, start_engine, tokens
+from tests.vllm.engines import corrupt_in_slab, delta, make_model, start_engine, tokens
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -154,9 +154,6 @@ def test_a_failed_load_of_a_hybrid_model_is_recomputed_not_fatal(engines, vllm_m
     # vLLM maps failed block ids back to requests only for one KV cache group: with two (Gemma 2) a failed load
     # reported that way stopped the engine (RuntimeError from its scheduler). The connector reports the request
     # instead, which vLLM recomputes from its first token (found by a vLLM hunt)
-    from kvmesh.mesh import node_actors
-    from kvmesh.wire import pack_keys, unpack_pin_reply
-
     e = engines["gemma2"]
     a, b = e["A"], e["B"]
     cluster, mesh = vllm_mesh
@@ -166,15 +163,8 @@ def test_a_failed_load_of_a_hybrid_model_is_recomputed_not_fatal(engines, vllm_m
     full = next(c for c in e["clients"] if not c.spec.window)
     for c in e["clients"]:
         wait_until(lambda c=c: held(c, pa) == len(window_chunks(c.spec)), 30)
-    key = full.hashes(pa)[1]  # a byte of chunk 1 of the full-attention group flipped in node 1's slab
-    actor = node_actors()[cluster.node_ids()[1]]
-    pin_id, rows, path, _ = unpack_pin_reply(ray.get(actor.pin.remote(pack_keys([key]))))
-    ray.get(actor.unpin.remote(pin_id))
-    with open(path, "r+b") as f:
-        f.seek(rows[0].slot * mesh.config.slot_bytes + 1000)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0x40]))
+    # a byte of chunk 1 of the full-attention group flipped in node 1's slab
+    corrupt_in_slab(cluster.node_ids()[1], full.hashes(pa)[1], mesh.config.slot_bytes)
     before = counts(b)
     out = gen(b, [pb])
     worker = delta(counts(b)["worker"], before["worker"])

@@ -321,12 +321,13 @@ class Cascade:
                 self.counts["writeback_hits"] += 1
             elif self.disk is not None and (dslot := self.disk.slot_of(key)) is not None:
                 rec = self.disk.record(dslot)
+                rec.pins += 1  # before making room: a CPU eviction's write-back may take a disk slot, never this one
                 t = self.cpu.prepare_store(
                     key, rec.group, rec.nbytes, on_evict=self._evicting(self.cpu), protect=protect
                 )
                 if t is None:
+                    self._disk.unpin([dslot])
                     break
-                rec.pins += 1
                 reads.append(DiskRead(key, dslot, t, rec.nbytes, rec.checksum))
             else:
                 break

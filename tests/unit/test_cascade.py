@@ -123,6 +123,24 @@ def test_cpu_evictions_go_to_disk_and_come_back_on_read(three_tiers):
     c.check_integrity(verify_checksums=True)
 
 
+def test_a_read_from_a_full_disk_keeps_its_chunk_from_the_write_back_it_causes(three_tiers):
+    """Reading chunk 1 into the full slab evicts a CPU chunk, whose write-back needs a disk slot on a full disk: it
+    must take another chunk's (the least recent one not being read), never the slot being read. Before, the read
+    pinned whatever then lay in its slot: a healthy chunk failed its checksum and that slot stayed pinned."""
+    c = three_tiers
+    for i in (1, 2, 3, 4, 5):  # the CPU holds 4 and 5, the disk 1, 2 and 3 (1 the least recent)
+        put_cpu(c, i)
+        run_writes(c)
+    slots = c.pin_host([k(1)])  # evicts 4 from the CPU: its write-back evicts 2 from the disk, not 1
+    assert len(slots) == 1 and bytes(c.cpu.chunk_view(slots[0])) == bytes([1]) * SLOT
+    c.cpu.unpin(slots)
+    run_writes(c)
+    assert c.counts["disk_checksum_failures"] == 0
+    assert [s.pins for s in c.disk._slots] == [0, 0, 0]
+    assert c.best_tier(k(2)) is None and c.best_tier(k(4)) is not None and c.best_tier(k(1)) is not None
+    c.check_integrity(verify_checksums=True)
+
+
 def test_write_through_writes_every_chunk(three_tiers):
     from kvmesh.tiers import TIER_DISK
 

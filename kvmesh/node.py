@@ -156,7 +156,7 @@ class KVNode:
         self.data_server = None
         try:
             if cfg.peer_transport == "tcp":
-                self.data_server = DataServer(self._pin_for_send, self._unpin_sent, host)
+                self.data_server = DataServer(self._pin_for_send, self._unpin_sent, host, send_timeout_s=cfg.pin_ttl_s)
             self.info = NodeInfo(
                 node_id,
                 actor_name,

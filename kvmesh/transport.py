@@ -11,7 +11,8 @@ Protocol, one request at a time per connection (connections are kept and reused)
     reply     u32 length + msgpack PullReply header [1, [[nbytes, checksum], ...]]    leading chunks held, pinned
               then each chunk's bytes, back to back
 
-The server sends straight from the pinned slab (no user-space copy) and unpins when the last byte is out. The
+The server sends straight from the pinned slab (no user-space copy) and unpins when the last byte is out, or when
+the reader has not taken the reply within `send_timeout_s` (the node's pin TTL): then it closes the connection. The
 client receives straight into the caller's tensor and checks each chunk's checksum there; a mismatch, a short
 read or a missed deadline closes the connection and ends the pull at the last intact chunk.
 
@@ -64,8 +65,12 @@ class DataServer:
     """Serves pulls from a node's slab. `pin(keys, requester)` returns (slots, [(nbytes, checksum)], [memoryview])
     for the leading run it holds, pinned; `unpin(slots)` releases them."""
 
-    def __init__(self, pin: Callable, unpin: Callable, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, pin: Callable, unpin: Callable, host: str = "127.0.0.1", port: int = 0, send_timeout_s: float = 30.0
+    ) -> None:
         self._pin, self._unpin = pin, unpin
+        self.send_timeout_s = send_timeout_s  # a reply's pins are held at most this long: a reader that stops
+        # reading (hung, stopped, behind a partition that keeps the connection open) loses its connection instead
         self._listener = socket.create_server((host, port), backlog=64)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._stop = threading.Event()
@@ -101,10 +106,14 @@ class DataServer:
                     return
                 slots, rows, views = self._pin(keys, requester)
                 try:
+                    deadline = time.monotonic() + self.send_timeout_s
+                    conn.settimeout(self.send_timeout_s)
                     _send_frame(conn, pack_chunk_header(rows))
                     for v in views:
+                        conn.settimeout(max(0.001, deadline - time.monotonic()))
                         conn.sendall(v)
                         self.bytes_sent += len(v)
+                    conn.settimeout(None)  # an idle kept connection waits for its next request as long as it likes
                 finally:
                     self._unpin(slots)
         except (WireError, OSError, ValueError) as e:  # (ValueError: the slab was unmapped by a shutdown meanwhile)
@@ -116,6 +125,10 @@ class DataServer:
 
     def shutdown(self) -> None:
         self._stop.set()
+        try:  # wakes the accept() blocked in the accept thread, which a close() from here does not do on Linux
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             for c in list(self._conns):

@@ -1,5 +1,6 @@
 """The data server keeps serving after an accept that failed (out of file descriptors for a moment): before, its
-accept thread returned, and the node stayed listed while every peer's fetch from it timed out."""
+accept thread returned, and the node stayed listed while every peer's fetch from it timed out. A reader that stops
+reading cannot keep the server's pins; a shutdown ends the accept thread and the port at once."""
 
 import errno
 import socket
@@ -24,6 +25,9 @@ class FailsOnce:
             self.failed = True
             raise OSError(errno.EMFILE, "Too many open files")
         return self.real.accept()
+
+    def shutdown(self, how: int) -> None:
+        self.real.shutdown(how)
 
     def close(self) -> None:
         self.real.close()
@@ -69,3 +73,48 @@ def test_a_cancelled_pull_stops_waiting_for_a_silent_peers_reply():
         listener.close()
     assert done == 0 and isinstance(err, TimeoutError)
     assert time.monotonic() - t0 < 1.5
+
+
+def test_a_reader_that_stops_reading_loses_its_connection_and_the_pins_are_released():
+    # a worker that hangs mid-pull (or sits behind a partition that keeps the connection open) held the holder's
+    # slots pinned for good: its slab then refused every store
+    import threading
+
+    from kvmesh.transport import _LEN
+    from kvmesh.wire import pack_keys
+
+    big = np.zeros(1 << 20, dtype=np.uint8)
+    unpinned = threading.Event()
+    server = DataServer(
+        lambda keys, requester: (list(range(16)), [(big.nbytes, 0)] * 16, [memoryview(big)] * 16),
+        lambda slots: unpinned.set(),
+        send_timeout_s=0.5,
+    )
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        host, port = server.address.rsplit(":", 1)
+        s.connect((host, int(port)))
+        body = pack_keys([b"k" * 16] * 16, "stalled")
+        s.sendall(_LEN.pack(len(body)) + body)  # and never reads the 16 MiB reply
+        assert unpinned.wait(5.0)
+    finally:
+        s.close()
+        server.shutdown()
+
+
+def test_shutdown_stops_accepting_at_once():
+    import threading
+
+    server = DataServer(lambda keys, requester: ([], [], []), lambda slots: None)
+    host, port = server.address.rsplit(":", 1)
+    t0 = time.monotonic()
+    server.shutdown()
+    assert time.monotonic() - t0 < 1.0  # before, the join waited out its 2 s: close() does not wake accept()
+    assert not server._thread.is_alive() and "kvmesh-data-accept" not in [t.name for t in threading.enumerate()]
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        listening = True
+    except OSError:
+        listening = False
+    assert not listening

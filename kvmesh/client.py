@@ -155,6 +155,8 @@ class KVMeshClient:
         except redis.RedisError:
             pass
         self._closed = threading.Event()
+        self._running = threading.Condition()  # guards `_fetches`: deadlines of the fetches in flight, by token
+        self._fetches: dict[object, float] = {}
         self.view.refresh(direct=True)  # (the relay may predate a node that joined a moment ago)
         self._refresher = threading.Thread(target=self._refresh_loop, name="kvmesh-client-nodes", daemon=True)
         self._refresher.start()
@@ -399,7 +401,21 @@ class KVMeshClient:
         return DeviceSink(self.spec, device, self._verify_pool, min_copy_bytes)
 
     def _run(self, match: Match, sink, opts: FetchOptions, device: torch.device):
-        result, stats = self.fetcher.fetch(match.chunks, sink, opts)
+        token = object()
+        with self._running:
+            if self._closed.is_set():
+                raise ValueError("fetch on a closed KVMeshClient")
+            self._fetches[token] = opts.deadline
+        try:
+            result, stats = self.fetcher.fetch(match.chunks, sink, opts)
+        except RuntimeError as e:  # a close() that gave up waiting shut the pools down under this fetch
+            if self._closed.is_set():
+                raise ValueError("KVMeshClient closed while this fetch ran") from e
+            raise
+        finally:
+            with self._running:
+                del self._fetches[token]
+                self._running.notify_all()
         self.last_fetch = stats
         self._record(match, stats, device)
         return result
@@ -627,7 +643,10 @@ class KVMeshClient:
     def close(self) -> None:
         if self.stores is not None:
             self.stores.close()
-        self._closed.set()
+        with self._running:  # fetches in flight end first (by their deadlines): their threads and slab stay
+            self._closed.set()
+            while self._fetches and (left := max(self._fetches.values()) + 1.0 - time.monotonic()) > 0:
+                self._running.wait(left)
         self._refresher.join(timeout=2)
         if len(self._orphans):  # pins of this client that came too late: released now, not at their TTL
             self._orphans.reap(timeout=2.0)

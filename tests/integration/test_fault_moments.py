@@ -228,3 +228,33 @@ def test_a_fetch_on_a_closed_client_says_so(nodes):
     client.close()
     with pytest.raises(ValueError, match="closed"):  # (was: "cannot schedule new futures after shutdown")
         client.fetch(match)
+
+
+def test_a_close_from_another_thread_lets_the_fetch_in_flight_finish(nodes):
+    # the fetch raised "cannot schedule new futures after shutdown" (untyped, out of the public API): close() shut
+    # down the pools under it. Now close() waits for fetches in flight, up to their deadlines
+    import threading
+
+    node = nodes("a")
+    writer, reader = connect_local(SPEC, node), connect_local(SPEC, node)
+    try:
+        toks, kv, match = cached_on(writer, reader, 6, 8)
+        local = reader.fetcher.env.local
+        real_pin = local.pin
+        closer = threading.Thread(target=reader.close)
+
+        def pin_then_close(*a, **k):
+            pinned = real_pin(*a, **k)
+            closer.start()
+            closer.join(2.0)  # close() is under way meanwhile (before: done, the pools shut down)
+            return pinned
+
+        local.pin = pin_then_close
+        got = reader.fetch(match, deadline_s=node.config.pin_ttl_s)  # longer than half the pin TTL: copied, checked
+        closer.join(10)
+        assert not closer.is_alive() and torch.equal(got, kv[:, :, : 8 * CH])
+        with pytest.raises(ValueError, match="closed"):
+            reader.fetch(match)
+    finally:
+        writer.close()
+        reader.close()

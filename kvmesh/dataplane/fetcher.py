@@ -90,17 +90,21 @@ class Fetcher:
         here = self.env.here or None
         runs = plan_runs(chunks, here, self.local_reads, opts.per_batch) if chunks else []
         kinds = [self.kind(r, opts) for r in runs]
-        load: dict[str, int] = {}
+        load: dict[str, int] = {}  # node -> chunks the fetch pins in its slab
+        brings: dict[str, int] = {}  # node -> of those, the chunks it must bring into its slab first
         incarnations: dict[str, int] = {}
         for r, k in zip(runs, kinds):
-            # what the node must bring into its slab for the fetch: all of a "via" run (pulled from its holder);
-            # of a run it holds, what is not in its slab already (on its disk or GPU tier, as the lookup found it).
-            # Chunks already in a slab are pinned where they lie, whatever their number, and adopted zero-copy
+            # a node brings into its slab all of a "via" run (pulled from its holder) and, of a run it holds, what
+            # is not in its slab already (on its disk or GPU tier, as the lookup found it). Chunks already in a slab
+            # are pinned where they lie: a fetch of nothing else is never windowed, whatever its size, and adopted
+            # zero-copy. One that also brings chunks in needs room beside all it pins: windowed beyond the budget
             node = self._pins_on(r, k)
-            need = len(r.keys) if k == "via" else sum(t != TIER_CPU for t in r.tiers)
-            load[node] = load.get(node, 0) + need
+            load[node] = load.get(node, 0) + len(r.keys)
+            brings[node] = brings.get(node, 0) + (len(r.keys) if k == "via" else sum(t != TIER_CPU for t in r.tiers))
             incarnations[node] = r.incarnation
-        budgets = {node: b for node, n in load.items() if n > (b := self.budget(node, incarnations[node]))}
+        budgets = {
+            node: b for node, n in load.items() if brings[node] and n > (b := self.budget(node, incarnations[node]))
+        }
         if budgets:
             local = budgets.get(self.env.here)
             window = max(1, local // 2) if local else None  # two in flight

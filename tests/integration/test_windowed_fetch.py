@@ -193,3 +193,27 @@ def test_a_store_larger_than_the_slab_goes_to_disk_whole(nodes):
         c.close()
     after = nodes["D"].stats()
     assert after["write_buffers_full"] == before["write_buffers_full"]  # (drops: the full disk's own evictions)
+
+
+@pytest.mark.parametrize("reader", ["D", "B"], ids=["local", "peer"])
+def test_a_prefix_that_fills_the_slab_and_goes_on_to_disk_is_read_whole(nodes, reader):
+    # D's slab holds the prompt's first 8 chunks (all it has room for), its 9th is on D's disk. The fetch pinned the
+    # 8 where they lay and then found no slot to read the 9th into: 8 chunks and "not_held", a second late. A fetch
+    # that brings chunks into a slab is windowed once all it pins there passes half of it
+    toks, kv = data(9191 if reader == "D" else 9192)
+    store(nodes, "D", toks, kv)
+    n = SPEC.chunk_tokens
+    c = client(nodes, reader)
+    try:
+        for _ in range(5):  # (read into D's slab through windows: mostly once is enough, other work may evict one)
+            first = c.lookup(toks[: SMALL * n], cost_model=False)
+            assert torch.equal(c.fetch(first), kv[:, :, : SMALL * n])
+            match = c.lookup(toks[: (SMALL + 1) * n], cost_model=False)
+            if [ch.tier for ch in match.chunks] == ["cpu"] * SMALL + ["disk"]:
+                break
+        assert [ch.tier for ch in match.chunks] == ["cpu"] * SMALL + ["disk"]
+        got = c.fetch(match)
+        assert got.shape[2] == (SMALL + 1) * n and not c.last_fetch.error, c.last_fetch
+        assert torch.equal(got.view(torch.uint8), kv[:, :, : (SMALL + 1) * n].contiguous().view(torch.uint8))
+    finally:
+        c.close()

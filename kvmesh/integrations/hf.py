@@ -139,6 +139,11 @@ def check_supported(model) -> None:
             f"{kind}: multi-head latent attention (K head dim {qk_dim}, V head dim {v_dim}); kvmesh.integrations.hf "
             "moves K and V of one shape"
         )
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedModel(
+            f"{kind}: an encoder-decoder model (its decoder's KV depends on the encoder's input, and its cross-"
+            "attention KV is not per prompt token); kvmesh.integrations.hf moves a decoder-only model's KV"
+        )
     if not isinstance(getattr(cfg, "num_hidden_layers", None), int):
         raise UnsupportedModel(f"{kind}: its config has no num_hidden_layers: not a decoder this integration knows")
     if not isinstance(getattr(cfg, "num_attention_heads", None), int):
@@ -150,14 +155,25 @@ def check_supported(model) -> None:
         )
 
 
+def _decoder(cfg) -> tuple[int, int]:
+    """(layers, attention heads) of the model's decoder. The decoder-only form of an encoder-decoder config (such
+    as BartForCausalLM) has them as `decoder_layers` and `decoder_attention_heads`; its `num_hidden_layers` and
+    `num_attention_heads` are the encoder's."""
+    layers, heads = getattr(cfg, "decoder_layers", None), getattr(cfg, "decoder_attention_heads", None)
+    return (
+        layers if isinstance(layers, int) else cfg.num_hidden_layers,
+        heads if isinstance(heads, int) else cfg.num_attention_heads,
+    )
+
+
 def _geometry(model, tp_size: int = 1) -> tuple[int, int, int, str]:
     """(layers, kv heads per rank, head dim, dtype) of the model's KV, from its config."""
     cfg = model.config
-    heads = cfg.num_attention_heads
+    layers, heads = _decoder(cfg)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return cfg.num_hidden_layers, kv_heads // tp_size, head_dim, dtype
+    return layers, kv_heads // tp_size, head_dim, dtype
 
 
 def _check_spec(model, spec: KVSpec) -> None:
@@ -286,8 +302,7 @@ def prefill_on_load(
     """Prefill `suffix_ids` ([1, S]) on top of a prefix made of `front_tokens` computed tokens (in
     `front_cache`) followed by `loaded_tokens` tokens arriving through `load` (chunk layout). Decoder layer i
     waits only for layer i of the load. Returns (last-position logits, cache)."""
-    cfg = model.config
-    num_layers = cfg.num_hidden_layers
+    num_layers, _ = _decoder(model.config)
     total = front_tokens + loaded_tokens
     device = suffix_ids.device
     if load is not None:
@@ -392,7 +407,7 @@ def generate(
         res.first_logits = logits[0].float().cpu()
     if client is not None and store:
         _check_cache(cache, client.spec, n)
-        res.stored_chunks = client.store(toks, kv_from_cache(cache, n, model.config.num_hidden_layers), cache_salt)
+        res.stored_chunks = client.store(toks, kv_from_cache(cache, n, _decoder(model.config)[0]), cache_salt)
     for _ in range(max_new_tokens - 1):
         nxt = _forward(model, nxt.view(1, 1), cache).logits[:, -1].argmax(-1)
         res.tokens.append(int(nxt))

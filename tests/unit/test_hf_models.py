@@ -77,6 +77,10 @@ def test_models_without_attention_kv_or_with_layers_that_share_kv_are_refused_by
                                             attention_hidden_size=64, intermediate_size=128)).eval()
     with pytest.raises(UnsupportedModel, match="rwkv.*num_attention_heads"):
         spec_for_model(rwkv, chunk_tokens=8)
+    t5 = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                                   num_heads=4)).eval()
+    with pytest.raises(UnsupportedModel, match="t5.*encoder-decoder"):  # (was: a spec, then transformers' error)
+        spec_for_model(t5, chunk_tokens=8)
     # Gemma-3n: its last num_kv_shared_layers layers read earlier layers' K/V, and its cache holds fewer layers
     cfg = tf.Gemma3nTextConfig(vocab_size=256, vocab_size_per_layer_input=256, hidden_size=64,
                                hidden_size_per_layer_input=16, num_hidden_layers=4, num_attention_heads=4,

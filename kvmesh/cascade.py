@@ -267,10 +267,14 @@ class Cascade:
         """Copy the chunk in src's slot into a new slot of dst (memory tiers); None if dst had no room."""
         rec = src.record(slot)
         assert rec.key is not None  # (a chunk being copied between tiers)
-        t = dst.prepare_store(rec.key, rec.group, rec.nbytes, on_evict=self._evicting(dst), protect=protect)
-        if t is None:
-            return None
-        _bytes(dst.buffer(t.slot))[: rec.nbytes].copy_(_bytes(src.buffer(slot))[: rec.nbytes])
+        src._slots[slot].pins += 1  # making room in dst may demote into src (GPU to CPU): never into this slot
+        try:
+            t = dst.prepare_store(rec.key, rec.group, rec.nbytes, on_evict=self._evicting(dst), protect=protect)
+            if t is None:
+                return None
+            _bytes(dst.buffer(t.slot))[: rec.nbytes].copy_(_bytes(src.buffer(slot))[: rec.nbytes])
+        finally:
+            src.unpin([slot])
         carried = rec.checksum if dst is self.gpu else src.host_checksum(slot, dst.buffer(t.slot)[: rec.nbytes])
         if carried is None:  # a chunk from an engine's GPU whose device bytes fail their device checksum
             dst.abort_store(t)

@@ -56,6 +56,7 @@ class WriteJob:
     group: bytes
     checksum: int
     buffer: object = None  # the pool buffer to return
+    demotion: bool = False  # the chunk left the CPU tier for the disk (a write-back, not a write-through)
 
 
 @dataclass(slots=True)
@@ -98,7 +99,8 @@ class Cascade:
     _writes: list = field(default_factory=list)
     _pool: list = field(default_factory=list)  # free write-back buffers
     _pool_made: int = 0
-    _corrupt: list = field(default_factory=list)  # disk chunks that failed their checksum in run_reads
+    _corrupt: list = field(default_factory=list)  # chunks that failed their checksum in run_reads or a copy
+    _unreadable: list = field(default_factory=list)  # disk chunks whose read failed in run_reads
     _pending: dict = field(default_factory=dict)  # key -> WriteJob of a write-back still in memory
     # called for each chunk the CPU slab evicts, its bytes still in place: (slot, record, tier it is left in or
     # None when it leaves the node); the node's cluster eviction (lastcopy.py) decides there what to save
@@ -189,8 +191,7 @@ class Cascade:
                 and not self._above_or_on_disk(key)
                 and key not in self._pending
             ):
-                if self._queue_write(slot):
-                    self.counts["demotions"] += 1
+                self._queue_write(slot, demotion=True)  # (counted a demotion once on disk: `finish_write`)
             below = self._best_except(key, tier)
             if tier is self.cpu and self.on_leave is not None:
                 self.on_leave(slot, rec, below)
@@ -209,7 +210,7 @@ class Cascade:
                 return t.tier_id
         return None
 
-    def _queue_write(self, cpu_slot: int) -> bool:
+    def _queue_write(self, cpu_slot: int, demotion: bool = False) -> bool:
         """Copy a CPU chunk aside into a write buffer and queue it for the disk; the slab slot stays free to be
         evicted and reused at once (write-back), and a store is never refused for a write in flight."""
         from kvmesh.tiers.disk import aligned_buffer
@@ -228,7 +229,7 @@ class Cascade:
             buf = aligned_buffer(self.cpu.slot_bytes)
             self._pool_made += 1
         memoryview(buf)[: rec.nbytes] = self.cpu.chunk_view(cpu_slot)
-        job = WriteJob(t, buf, rec.nbytes, rec.group, rec.checksum, buffer=buf)
+        job = WriteJob(t, buf, rec.nbytes, rec.group, rec.checksum, buffer=buf, demotion=demotion)
         self._writes.append(job)
         self._pending[rec.key] = job  # readable from the buffer until it is on disk
         return True
@@ -255,10 +256,13 @@ class Cascade:
         if ok:
             self._disk.complete_store(job.ticket, job.checksum)
             self.counts["disk_writes"] += 1
+            self.counts["demotions"] += job.demotion
             self._flow(self.cpu, self._disk, job.nbytes)
         else:
             self._disk.abort_store(job.ticket)
             self.counts["disk_write_errors"] += 1
+            if self.best_tier(key) is None:  # it had left the CPU tier for this write: gone from the node
+                self.counts["drops"] += 1
         if job.buffer is not None:
             self._pool.append(job.buffer)
         self.changes[(job.group, key)] = self.best_tier(key)
@@ -380,7 +384,9 @@ class Cascade:
                 self._corrupt.append(r.key)
             elif outcome != READ_OK:  # an I/O error (a bad sector): a copy that cannot be read is no copy, and
                 self.counts["disk_read_errors"] += 1  # one left listed would be found, and missed, by every lookup
-                self._corrupt.append(r.key)
+                code = f"disk_read_{outcome.partition(':')[2] or 'EIO'}"  # (exported by errno: disk_read_E*)
+                self.counts[code] = self.counts.get(code, 0) + 1
+                self._unreadable.append(r.key)
         return [o == READ_OK for o in outcomes]
 
     def pin_host(self, keys: list[bytes]) -> list[int]:
@@ -390,10 +396,13 @@ class Cascade:
         self.discard_corrupt()
         return self.finish_host(keys, n, reads, ok)
 
-    def discard_corrupt(self) -> None:
-        for key in self._corrupt:
+    def discard_corrupt(self) -> int:
+        """Drop the chunks found corrupt or unreadable since the last call; returns how many were corrupt."""
+        corrupt = len(self._corrupt)
+        for key in self._corrupt + self._unreadable:
             self.discard(key)
-        self._corrupt = []
+        self._corrupt, self._unreadable = [], []
+        return corrupt
 
     def promote(self, keys: list[bytes]) -> int:
         if self.gpu is None:

@@ -190,7 +190,7 @@ class KVMeshClient:
         salt = self._salt(cache_salt)
         limit = len(toks) if max_chunks is None else min(len(toks), int(max_chunks) * self.spec.chunk_tokens)
         hashes = chunk_hashes(self.spec.namespace, toks[:limit], self.spec.chunk_tokens, salt)
-        self.counts["lookups"] += 1
+        self.counts["lookups"] += bool(hashes)  # (no full chunk: nothing could be cached, nothing is asked)
         holders, why = self._prefix(hashes[0] if hashes else b"", hashes)
         chunks = tuple(ChunkMatch(h, hs) for h, hs in zip(hashes, holders))
         if why != "directory_error":
@@ -579,14 +579,15 @@ class KVMeshClient:
     # For engines that name their pages themselves (SGLang's HiCache hands out page hashes, never token ids): the
     # caller derives each key under this client's spec namespace and salt (`root_hash`), so keys of different
     # specs never meet, and names the directory group they are registered in.
-    def lookup_keys(self, group: bytes, keys: list[bytes]) -> Match:
+    def lookup_keys(self, group: bytes, keys: list[bytes], count: bool = True) -> Match:
         """`lookup` for caller-made keys: the longest run of `keys`, from the first, with a live holder in
-        directory group `group`. Pure read, one round trip; no cost-model plan (the engine decides)."""
+        directory group `group`. Pure read, one round trip; no cost-model plan (the engine decides). `count=False`:
+        not counted as a lookup, hit or miss (an engine asking again about keys it already looked up)."""
         self._check_keys(group, keys)
-        self.counts["lookups"] += 1
         holders, why = self._prefix(group, keys)
         chunks = tuple(ChunkMatch(k, hs) for k, hs in zip(keys, holders))
-        if keys:
+        if keys and count:
+            self.counts["lookups"] += 1
             self.counts["hits" if chunks else f"miss_{why}"] += 1
         return Match(self.spec.namespace, self.spec.chunk_tokens, chunks, why=why or "", group=group)
 

@@ -91,7 +91,10 @@ class FetchStats:
     local_chunks: int  # delivered from this node's tiers
     peer_chunks: int  # delivered from other nodes (directly or pulled through this node)
     seconds: float
-    error: str = ""  # why it stopped short ("checksum", "deadline", "peer_error", "holder_unknown"), "" if not
+    # why it stopped short, "" if not: "not_held" (the holder no longer has the chunk: evicted since the lookup, or
+    # dropped as corrupt or unreadable on its own disk or GPU tier), "checksum", "deadline", "peer_error",
+    # "holder_unknown" (no address for it), "stale_slab" (this node restarted since the lookup), "gpu_unreachable"
+    error: str = ""
     asked: int = 0  # chunks in the match
     corrupt: int = 0  # chunks that failed their checksum (reported to their holder)
     runs: tuple[RunStats, ...] = ()

@@ -350,12 +350,16 @@ class KVNode:
             n, reads = self.cascade.prepare_host(keys)
         ok = self.cascade.run_reads(reads) if reads else []
         with self.lock:
-            self.cascade.discard_corrupt()
+            corrupt = self.cascade.discard_corrupt()
+            self.stats_counts["corrupt_dropped"] += corrupt
             slots = self.cascade.finish_host(keys, n, reads, ok)
             if self.cascade.gpu is not None and self.config.promote_on_hit:
                 self._promote.extend(keys[: len(slots)])
-            if reads:
+            if reads or corrupt:
                 self._post_changes()
+        if corrupt:  # (the reader's fetch ends there as "not_held": this node no longer holds it)
+            log.warning("KVNode %s dropped %d corrupt chunk(s) of its own tiers", self.node_id[:8], corrupt)
+            self._event("corrupt_chunk", "checksum", f"{corrupt} chunk(s) dropped")
         return slots
 
     def _account(self, requester: str, slots: list[int]) -> None:
@@ -637,7 +641,7 @@ class KVNode:
                     )
                 except OSError as e:
                     ok = False
-                    code = errno.errorcode.get(e.errno or 0, "error")
+                    code = errno.errorcode.get(e.errno or 0, "EIO")  # (exported by its errno name: disk_write_E*)
                     self._count(f"disk_write_{code}")
                     log.warning(
                         "KVNode %s: disk write failed (%s); the chunk stays where it was or is dropped",

@@ -30,7 +30,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "counter",
         ("node", "reason"),
         "lookups or fetches that fell back to recompute, by reason: not_cached, holder_dead, "
-        "spec_mismatch, directory_error, cost_model, deadline, checksum, peer_error",
+        "spec_mismatch, directory_error, cost_model (lookups); not_held, deadline, checksum, peer_error, "
+        "holder_unknown, stale_slab, gpu_unreachable (fetches cut short)",
     ),
     "kvmesh_reused_tokens_total": (
         "counter",

@@ -419,11 +419,12 @@ def _reuse(model, ids, toks, client, cache_salt, res: GenerationResult):
     """Follow the cost model's plan. Returns (logits, cache), or (None, None) to recompute everything."""
     n = len(toks)
     t0 = time.perf_counter()
-    match = client.lookup(toks, cache_salt)
-    c = match.chunk_tokens
-    # at least one prompt token must be computed to get the next-token logits
-    match = match.truncate(min(match.num_chunks, (n - 1) // c))
-    plan = client.plan(match, n)
+    c = client.spec.chunk_tokens
+    # at least one prompt token must be computed to get the next-token logits: the lookup (and what it counts, a
+    # hit or a miss) is of the chunks before it, and its plan (priced for the whole prompt) is the one followed
+    match = client.lookup(toks, cache_salt, max_chunks=(n - 1) // c)
+    plan = match.plan
+    assert plan is not None  # (a lookup with the cost model plans)
     res.plan = plan.reason
     res.lookup_s = time.perf_counter() - t0
     if plan.end == 0:

@@ -403,10 +403,10 @@ class KVMeshStorage(HiCacheStorage):
             log.warning("kvmesh: clear failed: %s", e)
 
     # -- queries ------------------------------------------------------------------------------------------------
-    def _lookup(self, keys: list[str]):
+    def _lookup(self, keys: list[str], count: bool = True):
         group = self._refresh_generation()
         assert self.client is not None, "registered"
-        return self.client.lookup_keys(group, page_keys(group, keys))
+        return self.client.lookup_keys(group, page_keys(group, keys), count=count)
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages of `keys` some live node holds; one directory round trip."""
@@ -432,7 +432,7 @@ class KVMeshStorage(HiCacheStorage):
     def _fetch(self, keys: list[str], write_page) -> int:
         """Fetch the leading cached pages of `keys`; `write_page(i, chunk)` puts page i where SGLang wants it.
         Returns how many pages arrived intact (a failed holder or the deadline truncates)."""
-        match = self._lookup(keys)
+        match = self._lookup(keys, count=False)  # (SGLang asked `batch_exists` first: that lookup is counted)
         n = match.num_chunks
         if not n:
             return 0

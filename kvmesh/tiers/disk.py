@@ -173,17 +173,18 @@ class DiskTier(SlotPool):
 
     def read_verified(self, reads: Sequence[ChunkRead]) -> list[str]:
         """Read each chunk into its `into` and check it against its checksum: per chunk READ_OK, READ_CORRUPT
-        (its bytes do not match: the caller drops it) or READ_FAILED (an I/O error). The reads run on this tier's
-        reader threads, several in flight; this call blocks until every one is done, so no thread writes into an
-        `into` after it returns. Call it without the node's lock. Changes nothing in the tier."""
+        (its bytes do not match: the caller drops it) or READ_FAILED, a colon and the errno's name (an I/O error,
+        e.g. "failed:EIO"). The reads run on this tier's reader threads, several in flight; this call blocks until
+        every one is done, so no thread writes into an `into` after it returns. Call it without the node's lock.
+        Changes nothing in the tier."""
         futures = [self._readers.submit(self._read_one, r) for r in reads]
         return [f.result() for f in futures]
 
     def _read_one(self, r: ChunkRead) -> str:
         try:
             view = self.read_chunk(r.slot, r.nbytes, into=r.into)
-        except OSError:
-            return READ_FAILED
+        except OSError as e:
+            return f"{READ_FAILED}:{errno.errorcode.get(e.errno or 0, 'EIO')}"
         return READ_OK if checksum(view) == r.checksum else READ_CORRUPT
 
     @staticmethod

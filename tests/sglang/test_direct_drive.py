@@ -185,6 +185,17 @@ def test_exists_is_a_prefix_and_a_partial_hit_reads_only_the_prefix(engines):
     assert r["counts"]["sglang_get_pages_ok"] >= 5
 
 
+def test_a_read_counts_one_lookup_and_its_hit(engines):
+    # SGLang asks batch_exists, then batch_get_v1 of the pages it found: before, both counted a lookup and a hit,
+    # so a hit request counted twice against a miss's once (a 67 % hit rate for one hit in two requests)
+    ea, eb = engines
+    keys = keys_for("doc-count")
+    assert ray.get(ea.write.remote(keys, 0), timeout=60)[0] == [True] * PAGES
+    before = ray.get(eb.read.remote(keys), timeout=60)["counts"]
+    after = ray.get(eb.read.remote(keys), timeout=60)["counts"]
+    assert (after["lookups"] - before["lookups"], after["hits"] - before["hits"]) == (1, 1)
+
+
 def test_engines_with_another_spec_or_salt_never_share(sgl_cluster, engines):
     cluster, _ = sgl_cluster
     _, _, b = cluster.node_ids()

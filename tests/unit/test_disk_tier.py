@@ -113,7 +113,7 @@ def test_read_verified_reads_on_the_tier_threads_and_names_each_outcome(disk):
     intos = [aligned_buffer(SLOT) for _ in range(4)]
     reads = [ChunkRead(s, SLOT, checksum(bytes([i]) * SLOT), into) for s, i, into in zip(slots, (1, 2, 3), intos)]
     reads.append(ChunkRead(disk.num_slots, SLOT, 0, intos[3]))  # past the end of the file: an I/O error
-    assert disk.read_verified(reads) == [READ_OK, READ_CORRUPT, READ_OK, READ_FAILED]
+    assert disk.read_verified(reads) == [READ_OK, READ_CORRUPT, READ_OK, f"{READ_FAILED}:EIO"]
     # every read landed in its own buffer before the call returned
     assert bytes(intos[0][:SLOT]) == bytes([1]) * SLOT and bytes(intos[2][:SLOT]) == bytes([3]) * SLOT
     assert disk.read_verified([]) == []

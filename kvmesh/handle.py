@@ -355,14 +355,44 @@ class LocalHandle:
 
 
 # -- the node's side ---------------------------------------------------------------------------------------------
+def _restarted() -> bool:
+    """Whether this process is a Ray actor that Ray restarted (not its first start, nor a plain object)."""
+    try:
+        import ray
+
+        return bool(ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:
+        return False
+
+
 class KVNodeActor:
     """What Ray runs on each node (`kvmesh.start` wraps it with `ray.remote`): the wire edge of a `KVNode`. Also
     usable as a plain object (the fuzz tests feed it malformed messages without Ray)."""
 
     def __init__(self, config, node_id: str, actor_name: str = "", host: str = "127.0.0.1") -> None:
+        import logging
+        import time
+
+        import redis
+
         from kvmesh.node import KVNode
 
-        self.node = KVNode(config, node_id, actor_name, host)
+        wait = 0.5
+        while True:
+            try:
+                self.node = KVNode(config, node_id, actor_name, host)
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                # Ray restarting this actor (its process died) while the directory is away: a creation that fails
+                # is never retried, whatever max_restarts says, and the node would have no KVNode for good. So a
+                # restart waits for the directory instead; a first start fails at once (its caller probed Redis)
+                if not _restarted():
+                    raise
+                logging.getLogger("kvmesh.node").warning(
+                    "KVNode %s: the directory cannot be reached (%s); joining again in %.1f s", node_id[:8], e, wait
+                )
+                time.sleep(wait)
+                wait = min(5.0, wait * 2)
 
     @classmethod
     def around(cls, node) -> KVNodeActor:

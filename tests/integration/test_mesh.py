@@ -275,6 +275,37 @@ def test_redis_restart_empty_never_returns_stale_holders_and_the_directory_rebui
     assert ray.get(node_actors()[a].stats.remote())["incarnation"] != before
 
 
+def test_a_kvnode_that_dies_while_the_directory_is_away_comes_back_once_it_answers(mesh, redis_server):
+    # Ray restarts the actor at once, and its creation met no directory: a creation that fails is never retried,
+    # whatever max_restarts says, so the node had no KVNode for good, even once Redis was back
+    import signal
+
+    a, b, _ = mesh.node_ids
+    actor = node_actors()[a]
+    pid = ray.get(actor.stats.remote(), timeout=30)["pid"]
+    redis_server.kill()
+    try:
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(3.0)  # (the restart is under way meanwhile, and waits)
+    finally:
+        redis_server.start()
+
+    def up():
+        try:
+            return ray.get(actor.stats.remote(), timeout=5)["pid"] != pid
+        except Exception:
+            return False
+
+    wait_until(up, 60, 0.5)
+    s = spec("restart-without-directory")
+    toks = tokens(32 * 3, seed=77)
+    kv = random_kv(s, len(toks), 78)
+    on_node(a, w_store, s, toks, kv)
+    wait_until(lambda: on_node(b, w_lookup, s, toks).num_tokens == 96, 10)
+    n, got, _ = on_node(b, w_fetch, s, toks)
+    assert n == 96 and torch.equal(got, kv)
+
+
 def test_a_store_after_its_lookup_needs_no_directory_round_trip(mesh):
     a, b, _ = mesh.node_ids
     s = spec("lookup-then-store")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.config import KVMeshConfig
-from kvmesh.handle import ACTOR_PREFIX, NAMESPACE, KVNodeActor, NodeHandle, actor_name
+from kvmesh.handle import ACTOR_PREFIX, NAMESPACE, KVNodeActor, NodeHandle, NodeHello, actor_name
 from kvmesh.wire import NodeInfo
 
 __all__ = ["Mesh", "start", "stop", "node_actors", "NAMESPACE", "ACTOR_PREFIX", "actor_name"]
@@ -62,6 +62,7 @@ def start(
     cfg = cfg.replace(**options)
     # before any actor is placed: a directory that cannot answer one PING within a lease cannot keep leases
     probe(cfg.redis_url, cfg.lease_s)
+    _check_same_directory(ray, cfg, timeout_s)
     cls = kvnode_actor_class()
     extra = {}
     if cfg.gpu_bytes:
@@ -95,6 +96,32 @@ def start(
     handles = _wait_until_up(ray, placed, timeout_s)
     hellos = [NodeHandle(h, "").hello(timeout_s) for h in handles]
     return Mesh(cfg, tuple(h.info for h in hellos))
+
+
+MESH_WIDE = ("redis_url", "key_prefix")  # KVNodes that differ in these keep two caches that never meet
+
+
+def _check_same_directory(ray, cfg: KVMeshConfig, timeout_s: float) -> None:
+    """A `start` on a mesh that is up must name its directory: it keeps the KVNodes as they are and would give
+    the Ray nodes added since another directory, splitting the cache without a word. Raises ValueError naming the
+    fields that differ (never their values: a URL may hold a password)."""
+    actors = node_actors()
+    if not actors:
+        return
+    refs = [h.hello.remote() for h in actors.values()]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=min(timeout_s, 10.0))
+    for ref in ready:
+        try:
+            running = NodeHello.unpack(ray.get(ref, timeout=1.0)).config
+        except Exception:  # (a KVNode that is restarting or gone: the placement below deals with it)
+            continue
+        differ = [f for f in MESH_WIDE if getattr(running, f) != getattr(cfg, f)]
+        if differ:
+            raise ValueError(
+                f"kvmesh is already up on this Ray cluster with another {' and '.join(differ)}: start() keeps the "
+                "KVNodes that run, so nodes added since would use another directory. Call it with the running "
+                "mesh's settings, or kvmesh.stop() first"
+            )
 
 
 def _wait_until_up(ray, placed: list, timeout_s: float) -> list:

@@ -88,6 +88,18 @@ def test_start_is_idempotent_with_one_kvnode_per_node(mesh, ray_cluster):
     assert sorted(node_actors()) == sorted(ray_cluster.node_ids())
 
 
+def test_start_again_with_another_directory_is_refused_naming_it(mesh):
+    # before: the KVNodes that ran kept their directory, nodes added since got the new one, and the returned Mesh
+    # claimed the new one for all: a cache split in two without a word
+    before = {n: ray.get(h.stats.remote(), timeout=30)["incarnation"] for n, h in node_actors().items()}
+    with pytest.raises(ValueError, match="key_prefix"):
+        kvmesh.start(mesh.config.redis_url, key_prefix="another-prefix")
+    other_db = mesh.config.redis_url.rsplit("/", 1)[0] + "/3"
+    with pytest.raises(ValueError, match="redis_url"):
+        kvmesh.start(other_db, key_prefix=mesh.config.key_prefix)
+    assert {n: ray.get(h.stats.remote(), timeout=30)["incarnation"] for n, h in node_actors().items()} == before
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_chunk_stored_on_node_a_is_fetched_bit_exact_on_node_b(mesh, dtype):
     a, b, _ = mesh.node_ids

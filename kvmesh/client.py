@@ -120,7 +120,9 @@ class KVMeshClient:
         self._local = local
         self._peers_given = peers
         self._peers: dict[str, object] = {}
+        self._peer_incs: dict[str, int] = {}  # node id -> its incarnation when its handle was looked up
         self._slab = SlabReader.open(*local_slab[:2]) if local_slab else None
+        self._slab_path = local_slab[0] if local_slab else ""
         self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kvmesh-pull")
         self._verify_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-verify")
         self._data = DataClient()
@@ -499,17 +501,53 @@ class KVMeshClient:
                 self.counts["fetch_node_unknown"] += 1
                 return None
             self._peers[node_id] = h
+            if self._peers_given is None:
+                info = self.view.table().by_node().get(node_id)
+                self._peer_incs[node_id] = info.incarnation if info is not None else 0
         return h
 
-    def _reattach_local(self) -> None:
-        """The local KVNode restarted (a new slab): map its new slab."""
-        self.counts["fetch_stale_slab"] += 1
+    def _follow_nodes(self) -> None:
+        """(The refresher, with Ray.) A KVNode that Ray restarted keeps its actor handle but not its slab; one
+        replaced by a new actor (`kvmesh.stop` and `start`, the keeper putting one back, a restart that failed)
+        leaves this client's handle dead for good. The node table says when either happened: a node whose
+        incarnation changed. This node's KVNode is then attached again (handle, slab, GPU pools) and a peer's
+        handle looked up again when next needed."""
+        if self._peers_given is not None or self._local is None:
+            return
+        nodes = self.view.table().by_node()
+        for node_id, inc in list(self._peer_incs.items()):
+            info = nodes.get(node_id)
+            if info is None or info.incarnation != inc:
+                self._peers.pop(node_id, None)
+                self._peer_incs.pop(node_id, None)
+        me = nodes.get(self.node_id or "")
+        if me is not None and self._slab is not None and me.slab_path != self._slab_path:
+            self._reattach_local(stale=False)
+
+    def _reattach_local(self, stale: bool = True) -> None:
+        """The local KVNode restarted or was replaced (a new slab): attach to it again and map its new slab."""
+        if stale:
+            self.counts["fetch_stale_slab"] += 1
         try:
             hello = self._local.hello(timeout=5)
-        except Exception:
+        except Exception:  # the actor is gone: a new one may run under the same name
+            me = self.node_id or ""
+            found = NodeHandle.find(me, me, self._orphans) if self._peers_given is None and me else None
+            if found is None:
+                return
+            try:
+                hello = found.hello(timeout=5)
+            except Exception:
+                return
+            self._local = self.fetcher.env.local = found
+            if self.stores is not None:
+                self.stores.node = found
+            self.counts["local_node_reattached"] += 1
+        if self._slab is not None and hello.info.slab_path == self._slab_path:
             return
         old, env = self._slab, self.fetcher.env
         self._slab = SlabReader.open(hello.info.slab_path, hello.info.slab_bytes)
+        self._slab_path = hello.info.slab_path
         self._table_file = TableFile.beside(hello.info.slab_path)
         env.slab, env.slot_bytes = self._slab, hello.info.slot_bytes
         if old is not None:
@@ -629,6 +667,7 @@ class KVMeshClient:
         while not self._closed.wait(self.config.node_refresh_s):
             try:
                 self.view.refresh()
+                self._follow_nodes()
                 if len(self._orphans):
                     self._orphans.reap()
                 self._flush_telemetry()

@@ -331,3 +331,57 @@ def test_a_store_after_its_lookup_needs_no_directory_round_trip(mesh):
     wait_until(lambda: on_node(a, w_lookup, s, toks).num_tokens == 160, 10)
     n, got, _ = on_node(a, w_fetch, s, toks)
     assert n == 160 and torch.equal(got, kv)
+
+
+class LongLived:
+    """A worker that keeps one client for its life, as an engine does."""
+
+    def __init__(self, s, transport="tcp"):
+        self.c = kvmesh.connect(s, peer_transport=transport)
+
+    def store(self, toks, kv):
+        self.c.store(toks, kv)
+        return self.c.flush()
+
+    def fetch(self, toks):
+        m = self.c.lookup(toks, cost_model=False)
+        return m.num_tokens, self.c.fetch(m), self.c.last_fetch.error
+
+    def reattached(self):
+        return self.c.counts["local_node_reattached"]
+
+
+def test_long_lived_clients_follow_a_kvnode_replaced_by_a_new_actor(mesh):
+    # a KVNode put back as a new actor (kvmesh.stop and start, the keeper after ray.kill): before, a client made
+    # earlier kept calling the dead actor for good (its stores lost, counted only as store_failures), and a peer's
+    # client kept its dead handle (every pull over Ray a peer_error)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    a, b, _ = mesh.node_ids
+    s = spec("replaced-kvnode")
+
+    def on(node, *args):
+        strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+        return ray.remote(num_cpus=0)(LongLived).options(scheduling_strategy=strategy).remote(s, *args)
+
+    writer, reader = on(a), on(b, "ray")
+    first, kv1 = tokens(32 * 2, seed=90), random_kv(s, 64, 91)
+    assert ray.get(writer.store.remote(first, kv1), timeout=60) == 2
+    n, got, _ = ray.get(reader.fetch.remote(first), timeout=60)  # (the reader now holds A's handle)
+    assert n == 64 and torch.equal(got, kv1)
+    actor = node_actors()[a]
+    pid = ray.get(actor.stats.remote(), timeout=30)["pid"]
+    ray.kill(actor, no_restart=True)
+    wait_until(lambda: not pid_alive(pid), 30)
+    wait_until(lambda: a not in node_actors(), 30)
+    kvmesh.start(config=mesh.config)  # a new KVNode on A, as the keeper puts one back
+    wait_until(lambda: ray.get(writer.reattached.remote(), timeout=30) >= 1, 30)
+    then, kv2 = tokens(32 * 3, seed=92), random_kv(s, 96, 93)
+    assert ray.get(writer.store.remote(then, kv2), timeout=60) == 3
+    assert ray.get(node_actors()[a].stats.remote(), timeout=30)["chunks"] >= 3
+    # (once the reader's node table has A's new incarnation: a refresh or two)
+    wait_until(lambda: ray.get(reader.fetch.remote(then), timeout=60)[::2] == (96, ""), 20)
+    n, got, error = ray.get(reader.fetch.remote(then), timeout=60)
+    assert (n, error) == (96, "") and torch.equal(got, kv2)
+    for w in (writer, reader):
+        ray.kill(w)

@@ -136,7 +136,9 @@ def _wait_until_up(ray, placed: list, timeout_s: float) -> list:
             ray.get(ref, timeout=1.0)  # ready, or past the wait above
         except Exception as e:
             if _node_alive(ray, node_id):
-                raise
+                lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+                cause = lines[-1] if lines else type(e).__name__  # (the KVNode's own error, last in Ray's text)
+                raise RuntimeError(f"kvmesh.start: the KVNode on Ray node {node_id[:8]} did not start: {cause}") from e
             log.warning("kvmesh: node %s died while its KVNode started; left out (%s)", node_id, type(e).__name__)
             try:
                 ray.kill(h, no_restart=True)

@@ -235,6 +235,18 @@ def test_bad_inputs_raise_typed_errors(mesh):
         c.close()
 
 
+def test_a_kvnode_that_cannot_start_is_said_in_one_line(mesh, ray_cluster, tmp_path):
+    # before: Ray's ActorDiedError, the KVNode's own error buried in a traceback of its creation task
+    (tmp_path / "file").write_text("x")
+    node = ray_cluster.add_node(num_cpus=1)
+    try:
+        with pytest.raises(RuntimeError, match=f"{node.node_id[:8]}.*NotADirectoryError"):
+            kvmesh.start(config=mesh.config.replace(disk_dir=str(tmp_path / "file" / "sub"), disk_bytes=1 << 20))
+    finally:
+        ray_cluster.remove_node(node)
+    wait_until(lambda: node.node_id not in node_actors(), 30)
+
+
 def test_removed_node_truncates_planned_fetches_and_is_dropped_after_its_lease(mesh, ray_cluster):
     node = ray_cluster.add_node(num_cpus=1)
     m2 = kvmesh.start(mesh.config.redis_url, key_prefix="it")  # idempotent: adds a KVNode on the new node only

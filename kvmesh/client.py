@@ -63,6 +63,7 @@ __all__ = ["KVMeshClient", "Match", "ChunkMatch", "FetchStats", "StoreResult", "
 log = logging.getLogger("kvmesh.client")
 DIRECTORY_RETRY_S = 5.0  # after a directory call failed, calls fail fast this long (or until a node-table read works)
 SEEN_TTL_S = 30.0  # what a lookup saw of a prompt's chunks spares its store the directory round trip this long
+CLOSE_WAIT_S = 5.0  # close() waits at most this long for the fetches in flight to end
 MAX_SEEN = 4096  # hashes remembered per client (a store follows its lookup closely): ~1 MiB at most
 MAX_DEADLINE_S = 86400.0  # a fetch deadline longer than a day is a mistake (threading waits overflow near 1e10 s)
 PULL_THREADS = 8  # concurrent peer receives of one client (runs from different holders, batches of one)
@@ -683,9 +684,10 @@ class KVMeshClient:
     def close(self) -> None:
         if self.stores is not None:
             self.stores.close()
-        with self._running:  # fetches in flight end first (by their deadlines): their threads and slab stay
-            self._closed.set()
-            while self._fetches and (left := max(self._fetches.values()) + 1.0 - time.monotonic()) > 0:
+        with self._running:  # fetches in flight end first (by their deadlines, CLOSE_WAIT_S at most): their
+            self._closed.set()  # threads and slab stay until then; one still waiting on a peer after it ends short
+            until = min(max(self._fetches.values(), default=0.0) + 1.0, time.monotonic() + CLOSE_WAIT_S)
+            while self._fetches and (left := until - time.monotonic()) > 0:
                 self._running.wait(left)
         self._refresher.join(timeout=2)
         if len(self._orphans):  # pins of this client that came too late: released now, not at their TTL

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvmesh.config import KVMeshConfig
 from kvmesh.handle import ACTOR_PREFIX, NAMESPACE, KVNodeActor, NodeHandle, NodeHello, actor_name
+from kvmesh.redisconn import same_directory
 from kvmesh.wire import NodeInfo
 
 __all__ = ["Mesh", "start", "stop", "node_actors", "NAMESPACE", "ACTOR_PREFIX", "actor_name"]
@@ -98,11 +99,9 @@ def start(
     return Mesh(cfg, tuple(h.info for h in hellos))
 
 
-MESH_WIDE = ("redis_url", "key_prefix")  # KVNodes that differ in these keep two caches that never meet
-
-
 def _check_same_directory(ray, cfg: KVMeshConfig, timeout_s: float) -> None:
-    """A `start` on a mesh that is up must name its directory: it keeps the KVNodes as they are and would give
+    """A `start` on a mesh that is up must name its directory (`redis_url`, `key_prefix`: KVNodes that differ in
+    these keep two caches that never meet): it keeps the KVNodes as they are and would give
     the Ray nodes added since another directory, splitting the cache without a word. Raises ValueError naming the
     fields that differ (never their values: a URL may hold a password)."""
     actors = node_actors()
@@ -115,7 +114,11 @@ def _check_same_directory(ray, cfg: KVMeshConfig, timeout_s: float) -> None:
             running = NodeHello.unpack(ray.get(ref, timeout=1.0)).config
         except Exception:  # (a KVNode that is restarting or gone: the placement below deals with it)
             continue
-        differ = [f for f in MESH_WIDE if getattr(running, f) != getattr(cfg, f)]
+        differ = [
+            f
+            for f, same in (("redis_url", same_directory), ("key_prefix", str.__eq__))
+            if not same(getattr(running, f), getattr(cfg, f))
+        ]
         if differ:
             raise ValueError(
                 f"kvmesh is already up on this Ray cluster with another {' and '.join(differ)}: start() keeps the "

@@ -191,10 +191,16 @@ class KVNode:
                 self._event,
                 self.janitor.purge_later,
             )
-        except Exception:
+        except Exception:  # (a failed start leaves nothing behind: KVNodeActor may try again in this process)
             if self.data_server:
                 self.data_server.shutdown()
+            if getattr(self, "directory", None) is not None:
+                self.directory.close()
             self.tier.close()
+            if self.cascade.gpu is not None:
+                self.cascade.gpu.close()
+            if disk is not None:
+                disk.close()  # (and its directory's lock: a next try takes the same directory and its chunks)
             raise
         self.reservations = Reservations(
             self.cascade, self.lock, self.stats_counts, self._post_changes, cfg.pin_ttl_s, self.info.slab_path

@@ -67,6 +67,32 @@ def _cause(e: Exception, timeout_s: float) -> str:
     return f"not a Redis server, or not one kvmesh can use ({type(e).__name__}: {text})"
 
 
+def same_directory(a: str, b: str) -> bool:
+    """Whether two directory URLs name one database: scheme, user, host, port (6379 when left out), database (0
+    when left out) and options (`?ssl_*`, `?cluster=`), whatever the spelling; passwords are not compared."""
+
+    def key(url: str) -> tuple:
+        p = urlsplit(url)
+        query = dict(parse_qsl(p.query, keep_blank_values=True))
+        query.pop("password", None)
+        db = query.pop("db", None) or p.path.strip("/") or "0"
+        if p.scheme == "unix":
+            return (p.scheme, p.username or "", p.path, db, sorted(query.items()))
+        return (
+            p.scheme.lower(),
+            p.username or "",
+            (p.hostname or "").lower(),
+            p.port or 6379,
+            db,
+            sorted(query.items()),
+        )
+
+    try:
+        return key(a) == key(b)
+    except ValueError:  # (a port that is not a number: only the same text is the same directory)
+        return a == b
+
+
 def connect(url: str, timeout_s: float = 2.0):
     """A redis-py client for `url`: `redis://` or `rediss://` (TLS; `?ssl_ca_certs=/path/ca.pem` and the other
     `ssl_*` query options of redis-py), with `user:password@` for AUTH/ACL users. `?cluster=1` speaks Redis Cluster

@@ -16,6 +16,7 @@ from kvmesh.client import connect_local
 from kvmesh.config import KVMeshConfig
 from kvmesh.node import KVNode
 from kvmesh.spec import KVSpec
+from tests.conftest import wait_until
 
 SPEC = KVSpec("fault-moments-model", 2, 2, 16, "float16", chunk_tokens=16)
 CH = SPEC.chunk_tokens
@@ -256,5 +257,58 @@ def test_a_close_from_another_thread_lets_the_fetch_in_flight_finish(nodes):
         with pytest.raises(ValueError, match="closed"):
             reader.fetch(match)
     finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_start_that_cannot_reach_the_directory_leaves_the_disk_tier_to_the_next_try(cfg, tmp_path):
+    # a KVNode that Ray restarts during a Redis outage tries again until Redis answers; each failed try kept its
+    # disk directory locked, so the try that joined claimed a new, empty one: the node's chunks on disk were lost
+    disk = cfg.replace(cpu_bytes=2 * SPEC.chunk_bytes, disk_bytes=16 * SPEC.chunk_bytes, disk_dir=str(tmp_path / "d"),
+                       disk_direct_io=False)
+    first = KVNode(disk, "d" * 32, "kvnode-d")
+    c = connect_local(SPEC, first)
+    try:
+        toks, kv = prompt(8, 6)
+        c.store(toks, kv)
+        c.flush()
+        wait_until(lambda: first.stats()["disk_chunks"] >= 4 and not first.cascade._pending, 10)
+        on_disk = first.stats()["disk_chunks"]
+    finally:
+        c.close()
+        first.shutdown()
+    for _ in range(3):
+        with pytest.raises(redis.ConnectionError):
+            KVNode(disk.replace(redis_url="redis://127.0.0.1:1/0"), "d" * 32, "kvnode-d")
+    again = KVNode(disk, "d" * 32, "kvnode-d")
+    try:
+        assert again.stats()["disk_chunks"] == on_disk
+        assert sorted(os.listdir(tmp_path / "d")) == ["kvmesh-disk-000"]
+    finally:
+        again.shutdown()
+
+
+def test_close_waits_for_a_fetch_stuck_on_a_hung_holder_only_a_few_seconds(nodes):
+    # close() lets the fetches in flight finish, but not for the whole deadline of one stuck on a holder that hangs
+    # (a deadline may be a day long)
+    import threading
+
+    from kvmesh.client import CLOSE_WAIT_S
+
+    a, b = nodes("a"), nodes("b")
+    writer, reader = connect_local(SPEC, a), connect_local(SPEC, b, peers=[a])
+    hang = threading.Event()
+    real = a._pin_for_send
+    try:
+        toks, kv, match = cached_on(writer, reader, 9, 4)
+        a.data_server._pin = lambda keys, requester="": (hang.wait(60), real(keys, requester))[1]
+        fetching = threading.Thread(target=lambda: reader.fetch(match, deadline_s=40.0), daemon=True)
+        fetching.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        reader.close()
+        assert time.monotonic() - t0 < CLOSE_WAIT_S + 2
+    finally:
+        hang.set()
         writer.close()
         reader.close()

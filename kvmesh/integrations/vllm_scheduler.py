@@ -251,6 +251,23 @@ class SchedulerSide:
             out[where] = out.get(where, 0) + tokens
         return {k: v for k, v in out.items() if v}
 
+    def _reuse_by_node(self, st: _Request, num_external_tokens: int) -> tuple[int, int]:
+        """Tokens of a hit held by this node (its slab or its disk) and by peers: reuse counts where KV came from by
+        node, whatever the tier (`sources` names the tier, for vLLM)."""
+        here = there = 0
+        if st.match is None:
+            return 0, 0
+        node = self.client(st.lora_id, self.order[0]).node_id
+        lo, hi = st.local, st.local + num_external_tokens
+        for i, ch in enumerate(st.match.chunks):
+            a, b = (st.match_first + i) * self.chunk, (st.match_first + i + 1) * self.chunk
+            tokens = max(0, min(b, hi) - max(a, lo))
+            if ch.holders[0].node_id == node:
+                here += tokens
+            else:
+                there += tokens
+        return here, there
+
     # -- planning -------------------------------------------------------------------------------------------------
     def allocated(self, request, block_ids, num_external_tokens: int, null_block: int | None = None) -> None:
         """vLLM allocated blocks for `num_external_tokens` after the local hit: plan the loads, one per KV cache
@@ -303,12 +320,8 @@ class SchedulerSide:
             )
             self._loads.append(job)
         st.loading = not sync
-        reused = self.sources(request, num_external_tokens)
-        self.client(st.lora_id).record_request(
-            reused.get("host", 0),
-            reused.get("p2p", 0) + reused.get("disk", 0),
-            max(0, len(st.tokens) - local - num_external_tokens),
-        )
+        here, there = self._reuse_by_node(st, num_external_tokens)
+        self.client(st.lora_id).record_request(here, there, max(0, len(st.tokens) - local - num_external_tokens))
 
     def build_step(self, so) -> StepMeta:
         meta = StepMeta(loads=self._loads, preempted=set(getattr(so, "preempted_req_ids", None) or ()))

@@ -24,6 +24,7 @@ class Client:
     def __init__(self, cached: int, node: str = "me") -> None:
         self.cached, self.node_id = cached, node
         self.holders = {}
+        self.tiers = {}  # chunk -> its holder's tier (default: the CPU tier)
         self.counts: Counter = Counter()
         self.config = NS(lease_s=5.0)
         self.cost = NS(prefill=NS(observe=lambda *a: None), observe_transfer=lambda *a: None)
@@ -34,7 +35,8 @@ class Client:
 
     def _match(self, first: int, last: int) -> Match:
         n = max(0, min(self.cached, last) - first)
-        chunks = tuple(ChunkMatch(bytes([first + i]) * 16, (Holder(self.holders.get(first + i, "peer"), 1, 1),))
+        chunks = tuple(ChunkMatch(bytes([first + i]) * 16, (Holder(self.holders.get(first + i, "peer"), 1,
+                                                                   self.tiers.get(first + i, 1)),))
                        for i in range(n))
         return Match(SPEC.namespace, C, chunks, plan=LoadPlan(0, n, "load"))
 
@@ -85,6 +87,20 @@ def test_a_partly_local_chunk_is_fetched_whole_and_only_its_missing_blocks_writt
     assert (job.skip_blocks, job.fill_blocks) == (1, 6)  # block 2 (the chunk's first) is vLLM's already
     assert np.frombuffer(job.tokens, "<u4").tolist() == list(range(3, 3 + 1024))
     assert s.build_step(step()).loads == []  # handed over once
+
+
+def test_reuse_counts_this_nodes_disk_as_local_and_a_peers_as_peer():
+    # before, every disk hit was counted as a peer's: a one-node mesh whose slab overflows to disk read 100 % peer
+    from kvmesh.tiers import TIER_DISK
+
+    s, client = side(cached=4)
+    client.holders = {0: "me", 1: "me", 2: "peer", 3: "peer"}
+    client.tiers = {1: TIER_DISK, 3: TIER_DISK}
+    r = request("r", 1064)
+    assert s.lookup(r, 0) == (1024, True)
+    s.allocated(r, list(range(9)), 1024)
+    assert client.recorded == [(2 * C, 2 * C, 1064 - 1024)]
+    assert s.sources(r, 1024) == {"host": C, "disk": 2 * C, "p2p": C}  # (vLLM's own labels: by tier)
 
 
 def test_the_last_prompt_token_is_always_left_to_vllm():

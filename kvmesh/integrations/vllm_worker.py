@@ -314,21 +314,26 @@ class WorkerSide:
         with self.mu:
             if idle and self._async_loads and not self._recved:
                 self.mu.wait_for(lambda: self._recved or not self._async_loads, timeout=IDLE_WAIT_S)
-            recving = set(self._recved)
-            self._recved.clear()
-            self._reported_errors |= self._errors
-            self._errors = set()
-            self._failed_out |= self._failed_reqs & recving  # (reported no later than their end, as vLLM asks)
-            self._failed_reqs -= recving
             for r in finished_req_ids or ():
                 if r in self._saved_from:
                     self._saved_from.discard(r)
                     self._finishing.add(r)
-            sending = {r for r in self._finishing if self._pending_saves[r] <= 0}
-            self._finishing -= sending
-            for r in sending:
+            # vLLM frees a finished request's blocks when it hears of it in either set, and asserts if it hears
+            # twice: a finished request that kept its blocks both for saves and for a load (aborted while loading
+            # after its preemption) is reported once, as received, when its load has ended and its saves are done
+            held = {r for r in self._recved if r in self._finishing and self._pending_saves[r] > 0}
+            recving = set(self._recved) - held
+            self._recved = [r for r in self._recved if r in held]
+            self._reported_errors |= self._errors
+            self._errors = set()
+            self._failed_out |= self._failed_reqs & recving  # (reported no later than their end, as vLLM asks)
+            self._failed_reqs -= recving
+            done = {r for r in self._finishing if self._pending_saves[r] <= 0 and r not in self._req_loads}
+            sending = done - recving
+            self._finishing -= done
+            for r in done:
                 self._pending_saves.pop(r, None)
-            self.counts["vllm_kept_blocks_released"] += len(sending)
+            self.counts["vllm_kept_blocks_released"] += len(done)
         return sending or None, recving or None
 
     def failed_requests(self) -> set[str]:

@@ -269,3 +269,45 @@ def test_a_model_of_one_sliding_group_hits_on_the_window_alone():
                              [KVGroup(0, "sliding_window", WINDOW, (0, 1))])
     s, _ = hybrid_side(full_held=(2, 3), swa_held=(), specs=(mistral,))
     assert s.lookup(request("r", 1064), 0) == (1024, True)
+
+
+def test_a_request_that_kept_its_blocks_for_saves_and_a_load_is_reported_finished_once():
+    # aborted while loading again after its preemption (its earlier saves kept its blocks too): the worker said it
+    # twice, finished receiving and finished sending; vLLM frees it on the first and dies on the second
+    import threading
+
+    from kvmesh.integrations.vllm_worker import WorkerSide
+
+    w = WorkerSide.__new__(WorkerSide)  # (the bookkeeping only: no layers, loader or saver threads)
+    w.mu = threading.Condition()
+    w.counts = Counter()
+    w._recved, w._async_loads, w._req_loads = [], 1, Counter({"r": 1})
+    w._errors, w._reported_errors, w._failed_reqs, w._failed_out = set(), set(), set(), set()
+    w._pending_saves, w._saved_from, w._finishing = Counter({"r": 1}), {"r"}, set()
+    reports = [w.finished({"r"})]  # aborted: its load and a save are still under way
+    w._pending_saves["r"] = 0  # the save read its blocks
+    reports.append(w.finished(set()))
+    w._req_loads.clear()  # the load ended
+    w._recved.append("r")
+    reports.append(w.finished(set()))
+    reports.append(w.finished(set()))
+    said = [(kind, r) for sending, recving in reports for kind, got in (("sent", sending), ("recv", recving))
+            for r in got or ()]
+    assert said == [("recv", "r")]
+
+
+def test_a_finished_request_whose_load_ended_waits_for_its_saves_before_it_is_reported():
+    import threading
+
+    from kvmesh.integrations.vllm_worker import WorkerSide
+
+    w = WorkerSide.__new__(WorkerSide)
+    w.mu = threading.Condition()
+    w.counts = Counter()
+    w._recved, w._async_loads, w._req_loads = ["r"], 0, Counter()
+    w._errors, w._reported_errors, w._failed_reqs, w._failed_out = set(), set(), set(), set()
+    w._pending_saves, w._saved_from, w._finishing = Counter({"r": 1}), {"r"}, set()
+    assert w.finished({"r"}) == (None, None)  # its blocks are still being read by a save: vLLM must keep them
+    w._pending_saves["r"] = 0
+    assert w.finished(set()) == (None, {"r"})
+    assert w.finished(set()) == (None, None)

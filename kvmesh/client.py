@@ -180,11 +180,13 @@ class KVMeshClient:
         max_chunks: int | None = None,
         allow_split: bool = True,
         cost_model: bool = True,
+        count: bool = True,
     ) -> Match:
         """`max_chunks` caps the chunks looked up (an engine must compute at least the prompt's last token);
         the plan still prices the whole prompt. `allow_split=False` plans only load-or-recompute, for engines
         that cannot compute a front part while the rest loads. `cost_model=False`: the caller loads whatever is
-        cached (no plan; a cached prefix counts as a hit, never as the cost model's miss)."""
+        cached (no plan; a cached prefix counts as a hit, never as the cost model's miss). `count=False`: not
+        counted as a lookup, hit, miss or plan (an engine asking again about a request it already looked up)."""
         toks = as_tokens(tokens)
         if max_chunks is not None and (
             isinstance(max_chunks, bool) or not isinstance(max_chunks, (int, np.integer)) or max_chunks < 0
@@ -193,7 +195,8 @@ class KVMeshClient:
         salt = self._salt(cache_salt)
         limit = len(toks) if max_chunks is None else min(len(toks), int(max_chunks) * self.spec.chunk_tokens)
         hashes = chunk_hashes(self.spec.namespace, toks[:limit], self.spec.chunk_tokens, salt)
-        self.counts["lookups"] += bool(hashes)  # (no full chunk: nothing could be cached, nothing is asked)
+        counts = self.counts if count else Counter()
+        counts["lookups"] += bool(hashes)  # (no full chunk: nothing could be cached, nothing is asked)
         holders, why = self._prefix(hashes[0] if hashes else b"", hashes)
         chunks = tuple(ChunkMatch(h, hs) for h, hs in zip(hashes, holders))
         if why != "directory_error":
@@ -201,16 +204,16 @@ class KVMeshClient:
         if not chunks and hashes:
             if why == "not_cached" and self._cached_elsewhere(toks, salt):
                 why = "spec_mismatch"
-            self.counts[f"miss_{why}"] += 1
+            counts[f"miss_{why}"] += 1
         match = Match(
             self.spec.namespace, self.spec.chunk_tokens, chunks, why=why or "", group=hashes[0] if hashes else b""
         )
         if cost_model:
-            match = replace(match, plan=self.plan(match, len(toks), allow_split=allow_split))
+            match = replace(match, plan=self.plan(match, len(toks), allow_split=allow_split, count=count))
         if chunks and match.plan is not None and match.plan.end == 0:
-            self.counts["miss_cost_model"] += 1
+            counts["miss_cost_model"] += 1
         elif chunks:
-            self.counts["hits"] += 1
+            counts["hits"] += 1
         return match
 
     def _prefix(self, group: bytes, hashes: list[bytes]) -> tuple[list[tuple[Holder, ...]], str | None]:
@@ -298,13 +301,14 @@ class KVMeshClient:
         where = "local" if holder.node_id == self.node_id else "peer"
         return f"{where}-disk" if holder.tier == TIER_DISK else where
 
-    def plan(self, match: Match, prompt_tokens: int, allow_split: bool = True) -> LoadPlan:
+    def plan(self, match: Match, prompt_tokens: int, allow_split: bool = True, count: bool = True) -> LoadPlan:
         """The cost model's plan for using `match` in a prompt of `prompt_tokens` tokens."""
         links = [self._link(ch.holders[0]) for ch in match.chunks]
         plan = self.cost.plan(
             prompt_tokens, self.spec.chunk_tokens, self.spec.chunk_bytes, links, allow_split=allow_split
         )
-        self.counts[f"plan_{plan.reason.replace(' ', '_')}"] += 1
+        if count:
+            self.counts[f"plan_{plan.reason.replace(' ', '_')}"] += 1
         return plan
 
     def _remember(self, hashes: list[bytes], cached: int) -> None:

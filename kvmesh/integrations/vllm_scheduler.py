@@ -64,6 +64,9 @@ class _Request:
     had_save: bool = False  # a background-copy save was handed to the workers: keep the blocks until they report
     loading: bool = False  # an asynchronous load was handed to the workers and has not ended
     load_failed: bool = False  # a load of it failed: vLLM recomputes, and it is never offered a load again
+    # vLLM's computed tokens at the lookup last counted: vLLM asks again every step while a request waits for
+    # blocks, and only a request asked about anew (first, or after a preemption) is counted again
+    counted_at: int | None = None
 
 
 MAX_LOOKUP_ROUNDS = 8  # groups cutting each other's hit short: give up (no hit) after this many rounds
@@ -154,30 +157,32 @@ class SchedulerSide:
             self.counts["vllm_skip_directory_down"] += 1
             return 0, False
         errors = self.counts["directory_errors"]
+        count = st.counted_at != num_computed_tokens
+        st.counted_at = num_computed_tokens
         found: dict[tuple[int, int], tuple[int, int, Match]] = {}  # (group, lo) -> (asked end, present, Match)
         plan_box: list = []
-        end = self._converge(st, first, last, found, plan_box)
+        end = self._converge(st, first, last, found, plan_box, count)
         plan, first_lo = plan_box[0] if plan_box else (None, first)
         g0 = self.order[0]
         lo0 = first if not self.specs[g0].window else max(first, self.specs[g0].window_start_chunk(end * c))
         if end > first and self.options.cost_model and plan is not None:
             if first_lo + plan.end < end:  # the cost model says recomputing the rest is cheaper
-                self.counts["vllm_cost_model_cut_chunks"] += end - first_lo - plan.end
-                end = self._converge(st, first, first_lo + plan.end, found, plan_box)
+                self.counts["vllm_cost_model_cut_chunks"] += (end - first_lo - plan.end) * count
+                end = self._converge(st, first, first_lo + plan.end, found, plan_box, count)
                 lo0 = first if not self.specs[g0].window else max(first, self.specs[g0].window_start_chunk(end * c))
         if self.counts["directory_errors"] > errors:
             self._directory_down_until = time.monotonic() + DIRECTORY_RETRY_S
-        self.counts["vllm_lookup_tokens"] += n - num_computed_tokens
+        self.counts["vllm_lookup_tokens"] += (n - num_computed_tokens) * count
         external = end * c - num_computed_tokens
         if end <= first or external <= 0:
             return 0, False
         hit = found.get((g0, lo0))
         st.match = hit[2].truncate(end - lo0) if hit is not None else None
         st.match_first, st.local, st.hit_end = lo0, num_computed_tokens, end
-        self.counts["vllm_hit_tokens"] += external
+        self.counts["vllm_hit_tokens"] += external * count
         return external, self.options.load_mode == "async"
 
-    def _converge(self, st: _Request, first: int, end: int, found: dict, plan_box: list) -> int:
+    def _converge(self, st: _Request, first: int, end: int, found: dict, plan_box: list, count: bool = True) -> int:
         """The largest hit end (in chunks, <= `end`) that every group can serve: full-attention groups all chunks
         from `first`, sliding-window groups those their window needs. `found` caches what was looked up."""
         c = self.chunk
@@ -188,7 +193,7 @@ class SchedulerSide:
                 lo = first if not spec.window else max(first, spec.window_start_chunk(end * c))
                 if lo >= end:
                     continue  # a window of one token needs no chunk at all
-                end = min(end, lo + self._present(st, g, lo, end, found, plan_box))
+                end = min(end, lo + self._present(st, g, lo, end, found, plan_box, count))
                 if end <= first:
                     return first
             if end == start:
@@ -196,7 +201,7 @@ class SchedulerSide:
         self.counts["vllm_lookup_no_convergence"] += 1
         return first
 
-    def _present(self, st: _Request, g: int, lo: int, end: int, found: dict, plan_box: list) -> int:
+    def _present(self, st: _Request, g: int, lo: int, end: int, found: dict, plan_box: list, count: bool = True) -> int:
         """How many chunks of group `g` from chunk `lo` on (of those before `end`) some reachable node holds:
         one directory round trip, unless an earlier lookup from `lo` already covered `end`."""
         hit = found.get((g, lo))
@@ -208,19 +213,19 @@ class SchedulerSide:
         if lo == 0 and not self.specs[g].window and not plan_box:
             # from the prompt's start: also detects another spec of this model holding it ("spec_mismatch")
             match = client.lookup(
-                st.tokens, st.salt, max_chunks=end, allow_split=False, cost_model=self.options.cost_model
+                st.tokens, st.salt, max_chunks=end, allow_split=False, cost_model=self.options.cost_model, count=count
             )
             plan = match.plan
         else:
             hashes = self._hashes(st, g)
-            match = client.lookup_keys(hashes[0], hashes[lo:end])
+            match = client.lookup_keys(hashes[0], hashes[lo:end], count=count)
             if not plan_box and match.num_chunks and self.options.cost_model:
-                plan = client.plan(match, n - lo * self.chunk, allow_split=False)
+                plan = client.plan(match, n - lo * self.chunk, allow_split=False, count=count)
         if not plan_box:
             plan_box.append((plan, lo))
         k = self._reachable(match)
         if k < match.num_chunks:
-            self.counts["vllm_cut_unreachable_chunks"] += match.num_chunks - k
+            self.counts["vllm_cut_unreachable_chunks"] += (match.num_chunks - k) * count
         found[(g, lo)] = (end, k, match)
         return k
 

@@ -40,15 +40,15 @@ class Client:
                        for i in range(n))
         return Match(SPEC.namespace, C, chunks, plan=LoadPlan(0, n, "load"))
 
-    def lookup(self, toks, salt=None, *, max_chunks=None, allow_split=True, cost_model=True):
-        self.counts["lookups"] += 1
+    def lookup(self, toks, salt=None, *, max_chunks=None, allow_split=True, cost_model=True, count=True):
+        self.counts["lookups"] += count
         return self._match(0, max_chunks)
 
-    def lookup_keys(self, group, keys):
-        self.counts["lookups"] += 1
+    def lookup_keys(self, group, keys, count=True):
+        self.counts["lookups"] += count
         return self._match(keys[0][0], keys[0][0] + len(keys))
 
-    def plan(self, match, prompt_tokens, allow_split=True):
+    def plan(self, match, prompt_tokens, allow_split=True, count=True):
         return LoadPlan(0, match.num_chunks, "load")
 
     def record_request(self, *a):
@@ -204,12 +204,12 @@ class GroupClient(Client):
                        for i in range(n))
         return Match(self.spec.namespace, C, chunks, plan=LoadPlan(0, n, "load"))
 
-    def lookup(self, toks, salt=None, *, max_chunks=None, allow_split=True, cost_model=True):
-        self.counts["lookups"] += 1
+    def lookup(self, toks, salt=None, *, max_chunks=None, allow_split=True, cost_model=True, count=True):
+        self.counts["lookups"] += count
         return self._run(0, max_chunks)
 
-    def lookup_keys(self, group, keys):
-        self.counts["lookups"] += 1
+    def lookup_keys(self, group, keys, count=True):
+        self.counts["lookups"] += count
         first = keys[0][8] if keys else 0
         return self._run(first, first + len(keys))
 
@@ -311,3 +311,16 @@ def test_a_finished_request_whose_load_ended_waits_for_its_saves_before_it_is_re
     w._pending_saves["r"] = 0
     assert w.finished(set()) == (None, {"r"})
     assert w.finished(set()) == (None, None)
+
+
+def test_a_request_waiting_for_blocks_is_counted_once_however_often_vllm_asks():
+    # vLLM asks again every step while a request waits for blocks: 270 steps counted 270 lookups and 269 hits
+    # for one request. A request asked about anew (after a preemption: from another computed length) counts again
+    s, client = side(cached=4)
+    r = request("r", 1064)
+    for _ in range(5):
+        assert s.lookup(r, 0) == (1024, True)
+    assert client.counts["lookups"] == 1 and client.counts["vllm_hit_tokens"] == 1024
+    assert client.counts["vllm_lookup_tokens"] == 1064
+    assert s.lookup(r, 256) == (768, True)
+    assert client.counts["lookups"] == 2 and client.counts["vllm_hit_tokens"] == 1024 + 768

@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 import warnings
+import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -49,7 +50,7 @@ from kvmesh.dataplane.sinks import DeviceSink, HostSink
 from kvmesh.dataplane.sources import Env
 from kvmesh.directory import Directory, Holder, horizon_for, probe
 from kvmesh.handle import LocalHandle, NodeHandle, Orphans
-from kvmesh.hashing import HASH_BYTES, as_tokens, chunk_hashes, salt_bytes
+from kvmesh.hashing import HASH_BYTES, as_tokens, chunk_hashes, client_salt, salt_bytes
 from kvmesh.match import ChunkMatch, FetchStats, Match, StoreResult
 from kvmesh.nodeview import NodeView, TableFile, relayed
 from kvmesh.spec import KVSpec
@@ -92,7 +93,7 @@ class KVMeshClient:
         self.spec = spec
         self.config = config
         self.node_id = node_id
-        self.cache_salt = salt_bytes(cache_salt)
+        self.cache_salt = client_salt(cache_salt)
         self.count_fetches = count_fetches  # whether a fetch counts its tokens as reused (record_request says why)
         self.counts: Counter[str] = Counter()
         self.last_fetch = FetchStats(0, 0, 0.0)
@@ -160,13 +161,20 @@ class KVMeshClient:
         self._closed = threading.Event()
         self._running = threading.Condition()  # guards `_fetches`: deadlines of the fetches in flight, by token
         self._fetches: dict[object, float] = {}
+        self._loads: list[weakref.ref] = []  # fetch_to_device's loads, released by close() unless they were
         self.view.refresh(direct=True)  # (the relay may predate a node that joined a moment ago)
         self._refresher = threading.Thread(target=self._refresh_loop, name="kvmesh-client-nodes", daemon=True)
         self._refresher.start()
 
     # -- lookup -------------------------------------------------------------------------------------------------
     def _salt(self, cache_salt) -> bytes:
-        return self.cache_salt if cache_salt is None else salt_bytes(cache_salt)
+        """The salt of one call: the client's (the tenant's), with the call's own behind it, "<client>\\0<call>",
+        as vLLM's connector puts a request's salt behind its engine's. A call's salt never replaces the client's:
+        a client salted for one tenant cannot name its way into another tenant's or the unsalted chunks."""
+        if cache_salt is None:
+            return self.cache_salt
+        call = salt_bytes(cache_salt)
+        return self.cache_salt + b"\0" + call if self.cache_salt else call
 
     def hashes(self, tokens, cache_salt: str | bytes | None = None) -> list[bytes]:
         """Chunk hashes of the full chunks of `tokens` under this client's spec and salt."""
@@ -187,6 +195,7 @@ class KVMeshClient:
         that cannot compute a front part while the rest loads. `cost_model=False`: the caller loads whatever is
         cached (no plan; a cached prefix counts as a hit, never as the cost model's miss). `count=False`: not
         counted as a lookup, hit, miss or plan (an engine asking again about a request it already looked up)."""
+        self._check_open("lookup")
         toks = as_tokens(tokens)
         if max_chunks is not None and (
             isinstance(max_chunks, bool) or not isinstance(max_chunks, (int, np.integer)) or max_chunks < 0
@@ -303,6 +312,10 @@ class KVMeshClient:
 
     def plan(self, match: Match, prompt_tokens: int, allow_split: bool = True, count: bool = True) -> LoadPlan:
         """The cost model's plan for using `match` in a prompt of `prompt_tokens` tokens."""
+        if not isinstance(match, Match):
+            raise TypeError(f"match must be a kvmesh Match from lookup(), got {type(match).__name__}")
+        if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, (int, np.integer)) or prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be a non-negative int, got {prompt_tokens!r}")
         links = [self._link(ch.holders[0]) for ch in match.chunks]
         plan = self.cost.plan(
             prompt_tokens, self.spec.chunk_tokens, self.spec.chunk_bytes, links, allow_split=allow_split
@@ -331,9 +344,14 @@ class KVMeshClient:
         return out
 
     # -- fetch --------------------------------------------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        """Every call that reads or writes the cache refuses a closed client (its fetch threads are gone, and a
+        call would reopen directory connections that nothing closes)."""
+        if self._closed.is_set():
+            raise ValueError(f"{what} on a closed KVMeshClient")
+
     def _check_match(self, match) -> None:
-        if self._closed.is_set():  # (its fetch threads are gone)
-            raise ValueError("fetch on a closed KVMeshClient")
+        self._check_open("fetch")
         if not isinstance(match, Match):
             raise TypeError(f"match must be a kvmesh Match from lookup(), got {type(match).__name__}")
         if match.namespace != self.spec.namespace or match.chunk_tokens != self.spec.chunk_tokens:
@@ -398,11 +416,17 @@ class KVMeshClient:
         chunks are copied by DMA straight from the node's page-locked slab, peer chunks first into page-locked
         staging that belongs to this fetch. Checksums of the slab chunks are verified by CPU threads while the DMA
         runs (`load.verified()`; a consumer must not use what it computed from a load that fails it). Returns
-        (load or None, chunks in it); call `load.release()` when done (it unpins the slab chunks)."""
+        (load or None, chunks in it); call `load.release()` when done (it unpins the slab chunks), or use the load
+        as a context manager; `close()` releases those still held."""
         self._check_match(match)
         opts = self._options(match, deadline_s)
         device = _device(device)
-        return self._run(match, self._device_sink(device, min_copy_bytes), opts, device)
+        load, n = self._run(match, self._device_sink(device, min_copy_bytes), opts, device)
+        if load is not None and load.on_release:
+            with self._running:
+                self._loads = [r for r in self._loads if (held := r()) is not None and held.on_release]
+                self._loads.append(weakref.ref(load))
+        return load, n
 
     def _device_sink(self, device: torch.device, min_copy_bytes: int = 8 << 20) -> DeviceSink:
         return DeviceSink(self.spec, device, self._verify_pool, min_copy_bytes)
@@ -566,6 +590,7 @@ class KVMeshClient:
         """Store the full chunks of `tokens` not already cached; `kv` is `[num_layers, 2, n, num_kv_heads,
         head_dim]` with `n >= len(tokens)`. Returns the number of chunks handed to the local node (`last_store`
         says what became of the others)."""
+        self._check_open("store")
         toks = as_tokens(tokens)
         kv = self._check_kv(kv, len(toks))
         hashes = chunk_hashes(self.spec.namespace, toks, self.spec.chunk_tokens, self._salt(cache_salt))
@@ -626,6 +651,7 @@ class KVMeshClient:
         """`lookup` for caller-made keys: the longest run of `keys`, from the first, with a live holder in
         directory group `group`. Pure read, one round trip; no cost-model plan (the engine decides). `count=False`:
         not counted as a lookup, hit or miss (an engine asking again about keys it already looked up)."""
+        self._check_open("lookup_keys")
         self._check_keys(group, keys)
         holders, why = self._prefix(group, keys)
         chunks = tuple(ChunkMatch(k, hs) for k, hs in zip(keys, holders))
@@ -639,6 +665,7 @@ class KVMeshClient:
         strides, e.g. a view into an engine's host pool) is chunk `keys[i]`, registered in directory group
         `group`. Those not already cached are copied out before this returns and handed to the local node;
         returns their count."""
+        self._check_open("store_keys")
         self._check_keys(group, keys)
         s = self.spec
         if len(chunks) != len(keys):
@@ -646,6 +673,8 @@ class KVMeshClient:
         for c in chunks:
             if not isinstance(c, torch.Tensor) or c.dtype != s.torch_dtype or tuple(c.shape) != s.chunk_shape:
                 raise ValueError(f"each chunk must be a {s.dtype} tensor of shape {list(s.chunk_shape)}")
+            if c.layout != torch.strided or c.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"each chunk must be a dense CPU or CUDA tensor, got a {c.layout} one on {c.device}")
         return self._store(group, list(keys), lambda i: chunks[i], False)
 
     @staticmethod
@@ -661,10 +690,12 @@ class KVMeshClient:
     ) -> list[routing.RouteEstimate]:
         """Each candidate's expected time to first token for `tokens`, best first; `candidates` are Ray node ids
         or replicas with a `node_id`. A directory failure gives `known=False` estimates, never an exception."""
+        self._check_open("route")
         return routing.route(self, tokens, candidates, cache_salt, prefill_tokens_per_s=prefill_tokens_per_s)
 
     def report_load(self, pending_prefill_tokens: int, queue_depth: int, replica_id: str) -> bool:
         """Publish this replica's load for `route` (False: the directory did not take it)."""
+        self._check_open("report_load")
         return routing.report_load(self, pending_prefill_tokens, queue_depth, replica_id)
 
     # -- background ---------------------------------------------------------------------------------------------
@@ -693,6 +724,14 @@ class KVMeshClient:
             until = min(max(self._fetches.values(), default=0.0) + 1.0, time.monotonic() + CLOSE_WAIT_S)
             while self._fetches and (left := until - time.monotonic()) > 0:
                 self._running.wait(left)
+        for ref in self._loads:  # loads to a device never released: their slab chunks would stay pinned till the
+            load = ref()  # pins' TTL otherwise
+            if load is None:
+                continue
+            try:
+                load.release()
+            except Exception as e:  # (a device error: the pins still lapse at their TTL)
+                log.warning("kvmesh client: releasing a load at close failed: %s", e)
         self._refresher.join(timeout=2)
         if len(self._orphans):  # pins of this client that came too late: released now, not at their TTL
             self._orphans.reap(timeout=2.0)
@@ -736,15 +775,21 @@ def _spec_or_none(data: bytes) -> KVSpec | None:
         return None
 
 
-def _resolve(spec: KVSpec, cfg: KVMeshConfig, redis_url, config, options) -> KVMeshConfig:
+def _resolve(
+    spec: KVSpec, cfg: KVMeshConfig, redis_url, config, options, node_slot_bytes: int | None = None
+) -> KVMeshConfig:
+    """The client's config. `node_slot_bytes`: the slot size of the node this client attaches to, which is what a
+    chunk must fit (a `slot_bytes` option changes only this client's copy of the config, not the node's slots)."""
     cfg = config or cfg
     if redis_url is not None:
         cfg = cfg.replace(redis_url=redis_url)
     cfg = cfg.replace(**options)
-    if spec.chunk_bytes > cfg.slot_bytes:
+    slot_bytes = cfg.slot_bytes if node_slot_bytes is None else min(cfg.slot_bytes, node_slot_bytes)
+    if spec.chunk_bytes > slot_bytes:
+        where = "the nodes'" if node_slot_bytes is None or slot_bytes < node_slot_bytes else "this KVNode's"
         raise ValueError(
             f"spec.chunk_tokens={spec.chunk_tokens} makes {spec.chunk_bytes}-byte chunks, larger than "
-            f"the nodes' slot_bytes={cfg.slot_bytes}; use fewer chunk_tokens or bigger slots"
+            f"{where} slot_bytes={slot_bytes}; use fewer chunk_tokens, or start the KVNodes with bigger slots"
         )
     return cfg
 
@@ -771,7 +816,7 @@ def connect(
         raise ValueError(f"node_id must be a Ray node id (hex string), got {node_id!r}")
     if not isinstance(count_fetches, bool):
         raise TypeError(f"count_fetches must be True or False, got {count_fetches!r}")
-    salt_bytes(cache_salt)
+    client_salt(cache_salt)
     from kvmesh.mesh import _require_ray
 
     ray = _require_ray()
@@ -791,7 +836,14 @@ def connect(
         raise RuntimeError(f"no KVNode runs on Ray node {node_id} (call kvmesh.start first)")
     if hello is None and redis_url is None and config is None:
         raise RuntimeError("no KVNode runs on this Ray node (call kvmesh.start first) and no redis_url was given")
-    cfg = _resolve(spec, hello.config if hello else KVMeshConfig(), redis_url, config, options)
+    cfg = _resolve(
+        spec,
+        hello.config if hello else KVMeshConfig(),
+        redis_url,
+        config,
+        options,
+        hello.info.slot_bytes if hello else None,
+    )
     # the one time a directory failure raises: a wrong URL would otherwise read as a miss on every lookup, forever
     probe(cfg.redis_url, cfg.lease_s)
     slab = (hello.info.slab_path, hello.info.slab_bytes, hello.info.slot_bytes) if hello else None
@@ -814,7 +866,7 @@ def connect_local(
     cluster). `peers`: other KVNode objects, reachable through their data servers (peer transport "tcp")."""
     if not isinstance(spec, KVSpec):
         raise TypeError(f"spec must be a kvmesh.KVSpec, got {type(spec).__name__}")
-    cfg = _resolve(spec, node.config, None, None, options)
+    cfg = _resolve(spec, node.config, None, None, options, node.info.slot_bytes)
     local = LocalHandle(node, node.node_id)
     others = {p.node_id: LocalHandle(p, node.node_id) for p in peers}
     info = node.info

@@ -68,6 +68,7 @@ import itertools
 import os
 import struct
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -209,7 +210,8 @@ class Directory:
         self._holders_cache: dict[bytes, tuple[tuple[int, int], ...]] = {}
         self._cache_lock = threading.Lock()
         self._local = threading.local()  # per-thread lookup connection: no pool round trip on the hot path
-        self._thread_conns: list = []
+        self._thread_conns: list = []  # (its thread, by weak reference; connection): closed by close()
+        self._conns_lock = threading.Lock()
         self.redirects = 0  # Redis Cluster MOVED/ASK answers followed (a resharding)
 
     def group_key(self, group: bytes) -> str:
@@ -491,7 +493,16 @@ class Directory:
         conn = conns.get(server)
         if conn is None:
             conn = conns[server] = pool.make_connection()
-            self._thread_conns.append(conn)
+            with self._conns_lock:  # the connections of threads that have ended go now: a server that runs each
+                kept = []  # request on a thread of its own would otherwise hold one per request, to EMFILE
+                for ref, c in self._thread_conns:
+                    t = ref()
+                    if t is None or not t.is_alive():
+                        c.disconnect()
+                    else:
+                        kept.append((ref, c))
+                kept.append((weakref.ref(threading.current_thread()), conn))
+                self._thread_conns = kept
         return conn
 
     def decode_holders(self, value: bytes) -> tuple[tuple[int, int], ...]:
@@ -695,6 +706,7 @@ class Directory:
             assert NodeInfo.unpack(infos[node], int(inc)).node_id == node.decode(), f"node {node!r} info mismatch"
 
     def close(self) -> None:
-        for conn in self._thread_conns:
-            conn.disconnect()
+        with self._conns_lock:
+            for _, conn in self._thread_conns:
+                conn.disconnect()
         self._redis.close()

@@ -75,6 +75,14 @@ def salt_bytes(cache_salt: str | bytes | None, name: str = "cache_salt") -> byte
     raise TypeError(f"{name} must be str, bytes or None, got {type(cache_salt).__name__}")
 
 
+def client_salt(cache_salt: str | bytes | None) -> bytes:
+    """A client's (tenant's) salt: `salt_bytes`, without NUL, which separates it from a call's own salt."""
+    salt = salt_bytes(cache_salt)
+    if b"\0" in salt:
+        raise ValueError("cache_salt of a client must not contain NUL (it separates the client's from a call's salt)")
+    return salt
+
+
 def chunk_hashes(
     namespace: bytes, tokens: np.ndarray, chunk_tokens: int, cache_salt: str | bytes | None = None
 ) -> list[bytes]:

@@ -385,6 +385,12 @@ class LayerwiseLoad:
         for cb in callbacks:
             cb()
 
+    def __enter__(self) -> LayerwiseLoad:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
 
 def layer_groups(spec: KVSpec, min_copy_bytes: int) -> list[range]:
     """Consecutive layer ranges whose slice of one chunk is at least min_copy_bytes (the last may be smaller)."""

@@ -281,8 +281,8 @@ def route(
 def report_load(client, pending_prefill_tokens: int, queue_depth: int, replica_id: str) -> bool:
     """`KVMeshClient.report_load`: see the module docstring."""
     for name, v in (("pending_prefill_tokens", pending_prefill_tokens), ("queue_depth", queue_depth)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63:
+            raise ValueError(f"{name} must be a non-negative int below 2**63, got {v!r}")
     if not isinstance(replica_id, str) or not replica_id or len(replica_id) > MAX_REPLICA_ID:
         raise ValueError(
             f"replica_id must be a non-empty str of at most {MAX_REPLICA_ID} characters, got {replica_id!r}"

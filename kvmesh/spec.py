@@ -51,6 +51,9 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 
+MAX_FIELD = 2**31 - 1  # the largest integer field of a spec (a shape, an index, a version): one that fits int32
+
+
 def _check_int(name: str, value, minimum: int) -> None:
     """`name` is a KVSpec field, or "Owner.field" for another type's."""
     name = name if "." in name else f"KVSpec.{name}"
@@ -58,6 +61,8 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > MAX_FIELD:
+        raise ValueError(f"{name} must be <= {MAX_FIELD}, got {value}")
 
 
 def _check_str(owner: str, name: str, value) -> None:

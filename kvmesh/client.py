@@ -589,7 +589,8 @@ class KVMeshClient:
     def store(self, tokens, kv: torch.Tensor, cache_salt: str | bytes | None = None) -> int:
         """Store the full chunks of `tokens` not already cached; `kv` is `[num_layers, 2, n, num_kv_heads,
         head_dim]` with `n >= len(tokens)`. Returns the number of chunks handed to the local node (`last_store`
-        says what became of the others)."""
+        says what became of the others). The KV is read as it is now (on a GPU: copied on the current stream before
+        this returns, without waiting for it): the caller may overwrite or free it at once."""
         self._check_open("store")
         toks = as_tokens(tokens)
         kv = self._check_kv(kv, len(toks))
@@ -662,9 +663,9 @@ class KVMeshClient:
 
     def store_keys(self, group: bytes, keys: list[bytes], chunks) -> int:
         """`store` for caller-made keys: `chunks[i]` (a tensor of the spec's dtype and `chunk_shape`, any
-        strides, e.g. a view into an engine's host pool) is chunk `keys[i]`, registered in directory group
-        `group`. Those not already cached are copied out before this returns and handed to the local node;
-        returns their count."""
+        strides, e.g. a view into an engine's host pool; all on one device) is chunk `keys[i]`, registered in
+        directory group `group`. Those not already cached are copied out before this returns (on a GPU: on the
+        current stream) and handed to the local node; returns their count."""
         self._check_open("store_keys")
         self._check_keys(group, keys)
         s = self.spec
@@ -675,6 +676,8 @@ class KVMeshClient:
                 raise ValueError(f"each chunk must be a {s.dtype} tensor of shape {list(s.chunk_shape)}")
             if c.layout != torch.strided or c.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"each chunk must be a dense CPU or CUDA tensor, got a {c.layout} one on {c.device}")
+            if c.device != chunks[0].device:
+                raise ValueError(f"all chunks must be on one device, got {chunks[0].device} and {c.device}")
         return self._store(group, list(keys), lambda i: chunks[i], False)
 
     @staticmethod

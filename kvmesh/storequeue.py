@@ -8,9 +8,11 @@
                                           registered; returns how many chunks the node stored
     close()
 
-Chunks on a GPU are copied out on a side stream into page-locked staging and handed over by a background thread
-once the copy is done: neither the caller nor its compute stream waits for the device-to-host copy, and
-`record_stream` keeps freed KV memory from being reused before the copy read it.
+Chunks on a GPU are first copied on the caller's stream (one device-to-device kernel, `_snapshot`): a store reads
+the KV as it is when `submit` is called, and the caller may overwrite it at once. They are then copied out on a
+side stream into page-locked staging and handed over by a background thread once the copy is done: neither the
+caller nor its compute stream waits for the device-to-host copy, and `record_stream` keeps the snapshot's memory
+from being reused before the copy read it.
 
 Chunks on a GPU whose node's GPU pools this client maps (`gpu()`, a `GpuReads`) go device to device instead,
 from the background thread, ordered after an event recorded on the caller's stream at `submit` (the KV as
@@ -65,6 +67,11 @@ class StoreQueue:
             self.counts["store_dropped_busy"] += 1
             return 0
         if chunks[0].is_cuda:
+            try:
+                chunks = _snapshot(chunks)
+            except torch.cuda.OutOfMemoryError:  # no room for the copy: not stored (never stale bytes)
+                self.counts["store_dropped_no_device_memory"] += 1
+                return 0
             gpu = self.gpu() if self.gpu is not None else None
             if gpu is not None and any(_reaches(chunks[0].device, d) for d in gpu.devices):
                 self._queue(("d2d", group, keys, chunks, self._mark(chunks[0].device), gpu))
@@ -248,6 +255,15 @@ class StoreQueue:
         if self._stager is not None:
             self._staged.put(None)
             self._stager.join(timeout=10)
+
+
+def _snapshot(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The chunks as they are at `submit`, copied on the caller's current stream (one kernel) into memory that
+    belongs to this store. The copies off the GPU run later, on a side stream or from the background thread:
+    reading the caller's own memory there, a caller that reuses its KV buffer at once (a static cache, the next
+    request's prefill into the same pages) would have those later bytes stored under this prompt's keys, with
+    checksums that match them."""
+    return list(torch.stack(chunks))
 
 
 def _reaches(src: torch.device, dst: torch.device) -> bool:

@@ -55,3 +55,35 @@ def test_a_store_of_gpu_kv_returns_at_once_and_lands_bit_exact(node):
         n.check_integrity()
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("gpu_tier", [False, True], ids=["host-path", "device-to-device"])
+def test_a_store_reads_the_kv_as_it_was_at_store_and_the_caller_may_overwrite_it_at_once(tmp_path, gpu_tier):
+    """An engine with a static KV buffer stores a prompt and prefills the next one into the same memory at once.
+    The copies off the GPU run later (a side stream; the background thread for the device-to-device path): the
+    store must hold the first prompt's bytes, not the next one's under the first one's keys."""
+    from kvmesh.local import RedisServer
+
+    with RedisServer() as server:
+        cfg = KVMeshConfig(redis_url=server.url, key_prefix="ow", cpu_bytes=32 * SPEC.chunk_bytes,
+                           slot_bytes=SPEC.chunk_bytes, shm_dir=str(tmp_path),
+                           **(dict(gpu_bytes=16 * SPEC.chunk_bytes, gpu_device="cuda") if gpu_tier else {}))
+        n = KVNode(cfg, "node-ow" * 4, "kvnode-ow")
+        client = connect_local(SPEC, n)
+        try:
+            assert (client.fetcher.env.gpu is not None) == gpu_tier
+            toks = list(range(SPEC.chunk_tokens * 8))
+            kv = torch.randn(SPEC.kv_shape(len(toks)), device="cuda").to(torch.bfloat16)
+            expected = kv.cpu()
+            torch.cuda._sleep(200_000_000)  # the compute stream is busy: the store's copies queue behind it
+            assert client.store(toks, kv) == 8
+            kv.fill_(0)  # the next prompt's prefill, into the same buffer, on the same stream
+            kv.add_(7)
+            assert client.flush() == 8
+            assert client.counts["stored_chunks_d2d"] == (8 if gpu_tier else 0)
+            got = client.fetch(client.lookup(toks, cost_model=False))
+            assert got.shape == expected.shape and torch.equal(got, expected)
+            n.check_integrity()
+        finally:
+            client.close()
+            n.shutdown()

@@ -119,11 +119,44 @@ class UnsupportedModel(ValueError):
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention", "attention")
 
 
+_GEOMETRY = (
+    "head_dim",
+    "qk_head_dim",
+    "v_head_dim",
+    "kv_lora_rank",
+    "num_key_value_heads",
+    "num_attention_heads",
+    "hidden_size",
+    "num_hidden_layers",
+)
+
+
+def _read(cfg, name: str, kind: str):
+    """`config.<name>`, None if it has none. A heterogeneous config (transformers' per-layer configs, e.g.
+    Gemma 4's: sliding layers of head dim 256, full ones of 512) raises on a global read of an attribute its layers
+    do not share: that is a model of more than one KV shape."""
+    try:
+        return getattr(cfg, name, None)
+    except Exception as e:
+        raise UnsupportedModel(
+            f"{kind}: config.{name} differs between its layers ({type(e).__name__}); kvmesh.integrations.hf moves "
+            "K and V of one shape in every layer"
+        ) from None
+
+
 def check_supported(model) -> None:
     """Raises `UnsupportedModel`, naming the model type and what it has, unless every decoder layer keeps plain
     per-token K/V of one shape."""
     cfg = model.config
     kind = getattr(cfg, "model_type", type(model).__name__)
+    for name in _GEOMETRY:
+        _read(cfg, name, kind)
+    loops = getattr(cfg, "n_recurrent_loops", None)
+    if isinstance(loops, int) and loops > 1:
+        raise UnsupportedModel(
+            f"{kind}: its recurrent layers run {loops} times per token (config.n_recurrent_loops): the cache "
+            "holds more K/V than one per layer"
+        )
     for attr in ("layer_types", "layers_block_type"):
         types = getattr(cfg, attr, None)
         other = sorted({str(t) for t in types or () if t not in _ATTENTION_LAYERS})

@@ -94,6 +94,36 @@ def test_models_without_attention_kv_or_with_layers_that_share_kv_are_refused_by
         spec_for_model(gemma3n, chunk_tokens=8)
 
 
+def test_models_of_more_than_one_kv_shape_or_of_looped_layers_are_refused_before_any_work():
+    """Gemma 4: sliding layers of head dim 256, full ones of 512 (a per-layer config, whose global head_dim read
+    raises transformers' own RuntimeError). Dory: its recurrent layers run twice, and its cache holds a layer per
+    loop. Both are refused by name before a lookup or a prefill, not by transformers' error or at store time."""
+    import transformers as tf
+
+    class Untouched:  # a client that fails the test if generate gets as far as using it
+        def __getattr__(self, name):
+            raise AssertionError(f"generate used the client ({name}) for a model it must refuse")
+
+    if not hasattr(tf, "Gemma4TextConfig") or not hasattr(tf, "DoryConfig"):
+        pytest.skip("this transformers has no Gemma 4 or Dory")
+    cfg = tf.Gemma4TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                              num_key_value_heads=2, num_hidden_layers=2, initializer_range=0.2)
+    torch.manual_seed(0)
+    gemma4 = tf.Gemma4ForCausalLM(cfg).eval()
+    with pytest.raises(UnsupportedModel, match="gemma4_text.*differs between its layers"):
+        spec_for_model(gemma4, chunk_tokens=8)
+    with pytest.raises(UnsupportedModel, match="gemma4_text"):
+        generate(gemma4, list(range(3, 30)), 2, client=Untouched())
+    for mode in ("per_loop", "last_loop"):
+        cfg = tf.DoryConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, num_hidden_layers=3, n_input_layers=1,
+                            n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2, recurrent_kv_cache_mode=mode,
+                            initializer_range=0.2)
+        dory = tf.DoryForCausalLM(cfg).eval()
+        with pytest.raises(UnsupportedModel, match="dory.*n_recurrent_loops"):
+            generate(dory, list(range(3, 30)), 2, client=Untouched())
+
+
 @pytest.mark.parametrize("change", [{"rope_theta": 5000.0}, {"rms_norm_eps": 1e-2},
                                     {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}])
 def test_the_same_weights_under_another_config_that_changes_kv_get_another_spec(change):

@@ -151,6 +151,11 @@ def check_supported(model) -> None:
     kind = getattr(cfg, "model_type", type(model).__name__)
     for name in _GEOMETRY:
         _read(cfg, name, kind)
+    if getattr(cfg, "is_decoder", None) is False and hasattr(cfg, "add_cross_attention"):
+        raise UnsupportedModel(
+            f"{kind}: config.is_decoder is False, so its attention is bidirectional: a prefix's K/V depends on the "
+            "tokens after it (give the config is_decoder=True to run it as a causal LM)"
+        )
     loops = getattr(cfg, "n_recurrent_loops", None)
     if isinstance(loops, int) and loops > 1:
         raise UnsupportedModel(

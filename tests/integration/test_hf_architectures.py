@@ -2,7 +2,8 @@
 not hidden / heads, q/k norms), Gemma-3 (five sliding-window layers to one full, head dim 32 of a 128 hidden),
 Llama-4 (chunked local attention over 24 tokens, layers without RoPE, experts every other layer), GPT-NeoX (partial
 rotary, fused QKV, no GQA), GPT-2 (learned positions, Conv1D), Mixtral (experts) and Falcon's new
-decoder, and BART's decoder alone (`BartForCausalLM`, whose config's layer and head counts are the encoder's).
+decoder, BART's decoder alone (`BartForCausalLM`, whose config's layer and head counts are the encoder's), and
+BERT's LM head run as a decoder (`is_decoder=True`; without it, bidirectional, it is refused).
 A prompt of 5 chunks and 7 tokens is computed on node A; a longer one that shares it is reused on node B
 (pulled from A) and must give the greedy tokens of a full recompute on node C, logits within float32 tolerance.
 
@@ -17,7 +18,7 @@ from kvmesh.integrations.hf import generate, spec_for_model
 from tests.integration.conftest import on_node
 
 CHUNK, VOCAB = 16, 512
-ARCHS = ["qwen3", "gemma3", "llama4", "gpt_neox", "gpt2", "mixtral", "falcon", "bart"]
+ARCHS = ["qwen3", "gemma3", "llama4", "gpt_neox", "gpt2", "mixtral", "falcon", "bart", "bert"]
 
 
 def model(arch: str):
@@ -49,6 +50,11 @@ def model(arch: str):
     elif arch == "mixtral":
         cfg = tf.MixtralConfig(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, **common)
         cls = tf.MixtralForCausalLM
+    elif arch == "bert":  # a BERT-family LM head, causal only with is_decoder=True (without it: refused)
+        cfg = tf.BertConfig(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=256, max_position_embeddings=1024, initializer_range=0.2,
+                            is_decoder=True, pad_token_id=0)
+        cls = tf.BertLMHeadModel
     elif arch == "bart":  # the decoder-only form of an encoder-decoder config: its num_hidden_layers and
         # num_attention_heads are the encoder's (1 and 2), not its decoder's (2 and 4)
         cfg = tf.BartConfig(vocab_size=VOCAB, d_model=128, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2,

@@ -358,7 +358,7 @@ class Cascade:
         slots = self.cpu.pin(keys[:good])
         for t in (self.gpu, self.disk):
             if t is not None:
-                for key in keys[: len(slots)]:
+                for key in reversed(keys[: len(slots)]):  # the head most recent: the tail is evicted first
                     t._policy.touch(key)
         return slots
 

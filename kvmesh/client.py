@@ -51,7 +51,7 @@ from kvmesh.dataplane.sources import Env
 from kvmesh.directory import Directory, Holder, horizon_for, probe
 from kvmesh.handle import LocalHandle, NodeHandle, Orphans
 from kvmesh.hashing import HASH_BYTES, as_tokens, chunk_hashes, client_salt, salt_bytes
-from kvmesh.match import ChunkMatch, FetchStats, Match, StoreResult
+from kvmesh.match import ChunkMatch, FetchStats, Match, StoreResult, link_observations
 from kvmesh.nodeview import NodeView, TableFile, relayed
 from kvmesh.spec import KVSpec
 from kvmesh.storequeue import StoreQueue
@@ -170,10 +170,12 @@ class KVMeshClient:
     def _salt(self, cache_salt) -> bytes:
         """The salt of one call: the client's (the tenant's), with the call's own behind it, "<client>\\0<call>",
         as vLLM's connector puts a request's salt behind its engine's. A call's salt never replaces the client's:
-        a client salted for one tenant cannot name its way into another tenant's or the unsalted chunks."""
-        if cache_salt is None:
-            return self.cache_salt
+        a client salted for one tenant cannot name its way into another tenant's or the unsalted chunks. An empty
+        call salt is none. (Salts keep apart tenants that do not know each other's salt: they are names, not access
+        control; an unsalted client that passes a tenant's salt per call reads that tenant's chunks.)"""
         call = salt_bytes(cache_salt)
+        if not call:
+            return self.cache_salt
         return self.cache_salt + b"\0" + call if self.cache_salt else call
 
     def hashes(self, tokens, cache_salt: str | bytes | None = None) -> list[bytes]:
@@ -344,6 +346,11 @@ class KVMeshClient:
         return out
 
     # -- fetch --------------------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called: every call that reads or writes the cache then raises ValueError."""
+        return self._closed.is_set()
+
     def _check_open(self, what: str) -> None:
         """Every call that reads or writes the cache refuses a closed client (its fetch threads are gone, and a
         call would reopen directory connections that nothing closes)."""
@@ -468,12 +475,7 @@ class KVMeshClient:
             h = c.holders[0]
             source = "local" if h.node_id == self.node_id else "peer"
             self.counts[f"fetched_bytes:{source}:{TIER_NAMES[h.tier]}:{device.type}"] += cb
-        per_link: dict[str, tuple[int, float]] = {}
-        for r in st.runs:  # every run begins at once and they complete in order: a source's bytes were all in by
-            if r.delivered:  # its last run's time from the fetch's start (an upper bound), as the cost model's
-                nbytes, _ = per_link.get(r.link, (0, 0.0))  # parallel sources (the slowest one's time) read it
-                per_link[r.link] = (nbytes + r.delivered * cb, r.seconds)
-        for link, (nbytes, seconds) in per_link.items():
+        for link, nbytes, seconds in link_observations(st.runs, cb):
             self.cost.observe_transfer(link, nbytes, seconds)
             self._samples.append(("transfer", link, seconds))
         if st.corrupt:
@@ -586,19 +588,23 @@ class KVMeshClient:
         env.gpu = GpuReads.open(hello.gpu_exports)  # a restarted node has new pools
 
     # -- store --------------------------------------------------------------------------------------------------
-    def store(self, tokens, kv: torch.Tensor, cache_salt: str | bytes | None = None) -> int:
+    def store(self, tokens, kv: torch.Tensor, cache_salt: str | bytes | None = None, *, handover: bool = False) -> int:
         """Store the full chunks of `tokens` not already cached; `kv` is `[num_layers, 2, n, num_kv_heads,
         head_dim]` with `n >= len(tokens)`. Returns the number of chunks handed to the local node (`last_store`
         says what became of the others). The KV is read as it is now (on a GPU: copied on the current stream before
-        this returns, without waiting for it): the caller may overwrite or free it at once."""
+        this returns, without waiting for it): the caller may overwrite or free it at once. `handover=True`: the
+        caller will never write `kv` again (a tensor made for this store), so a GPU store reads it as it is,
+        without that copy (and its device memory)."""
         self._check_open("store")
         toks = as_tokens(tokens)
         kv = self._check_kv(kv, len(toks))
         hashes = chunk_hashes(self.spec.namespace, toks, self.spec.chunk_tokens, self._salt(cache_salt))
         c = self.spec.chunk_tokens
-        return self._store(hashes[0] if hashes else b"", hashes, lambda i: kv[:, :, i * c : (i + 1) * c], True)
+        return self._store(
+            hashes[0] if hashes else b"", hashes, lambda i: kv[:, :, i * c : (i + 1) * c], True, not handover
+        )
 
-    def _store(self, group: bytes, keys: list[bytes], chunk, seen: bool) -> int:
+    def _store(self, group: bytes, keys: list[bytes], chunk, seen: bool, snapshot: bool = True) -> int:
         if not keys:
             self.last_store = StoreResult(0)
             return 0
@@ -608,9 +614,9 @@ class KVMeshClient:
             return 0
         held = self._held(group, keys, seen)
         todo = [i for i in range(len(keys)) if not held[i]]
-        handed = self.stores.submit(group, [keys[i] for i in todo], [chunk(i) for i in todo])
+        handed = self.stores.submit(group, [keys[i] for i in todo], [chunk(i) for i in todo], snapshot)
         self.last_store = StoreResult(
-            handed, len(keys) - len(todo), len(todo) - handed, "busy" if handed < len(todo) else ""
+            handed, len(keys) - len(todo), len(todo) - handed, self.stores.refused if handed < len(todo) else ""
         )
         return handed
 

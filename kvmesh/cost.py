@@ -11,7 +11,8 @@
                    2410.03065), and says why
 
 A model with no observations yet has no opinion: the plan then loads the whole match (reason "no estimate").
-All methods are pure except `observe_*`, which mutate the fit.
+All methods are pure except `observe_*`, which mutate the fit, and a link's estimates, which go back to its prior
+once it has not been observed for FORGET_S.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 WINDOW = 64  # observations kept per model
+FORGET_S = 30.0  # a link's observations this old are forgotten: its prior again (the plan loads, and re-measures)
+SHIFT_N, SHIFT_X = 3, 4.0  # this many transfers in a row this many times slower (or faster) than the fit: a new
+# regime, and the older observations go (a fit of relative error follows the fast ones, 500 to 1 at 2 ms vs 1 s)
 
 
 def _lstsq(rows: list[list[float]], ys: list[float], prior: np.ndarray | None = None) -> np.ndarray:
@@ -44,19 +48,35 @@ def _lstsq(rows: list[list[float]], ys: list[float], prior: np.ndarray | None = 
 
 
 class LinkModel:
-    """seconds(nbytes) = latency + nbytes / bandwidth."""
+    """seconds(nbytes) = latency + nbytes / bandwidth.
+
+    The fit follows the link as it changes: SHIFT_N transfers in a row SHIFT_X times off the fit start it anew from
+    them (a peer that became slow is not used for a whole window of requests), and a link not observed for
+    FORGET_S is its prior again (one slow transfer, or a peer that hung once, does not keep the plan from ever
+    loading over it again: the next load re-measures it)."""
 
     def __init__(self, bandwidth_bps: float, latency_s: float) -> None:
         self._prior = np.array([latency_s, 1.0 / bandwidth_bps])
         self._obs: deque[tuple[float, float]] = deque(maxlen=WINDOW)
         self._coef = self._prior.copy()
+        self._last_at = -math.inf  # when the last observation came
         self._lock = threading.Lock()
 
-    def observe(self, nbytes: int, seconds: float) -> None:
+    def observe(self, nbytes: int, seconds: float, now: float | None = None) -> None:
         if nbytes <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
+        now = time.monotonic() if now is None else now
         with self._lock:
+            if now - self._last_at > FORGET_S:
+                self._obs.clear()
+            fitted = self._coef if self._obs else self._prior
             self._obs.append((float(nbytes), float(seconds)))
+            self._last_at = now
+            recent = list(self._obs)[-SHIFT_N:]
+            if len(self._obs) > SHIFT_N and len(recent) == SHIFT_N:
+                ratios = [s / max(fitted[0] + b * fitted[1], 1e-9) for b, s in recent]
+                if all(r > SHIFT_X for r in ratios) or all(r < 1.0 / SHIFT_X for r in ratios):
+                    self._obs = deque(recent, maxlen=WINDOW)
             rows = [[1.0, b] for b, _ in self._obs]
             ys = [s for _, s in self._obs]
             # scale bytes so both columns are O(1) for the solver
@@ -64,17 +84,22 @@ class LinkModel:
             coef = _lstsq([[1.0, b / scale] for _, b in rows], ys, np.array([self._prior[0], self._prior[1] * scale]))
             self._coef = np.array([coef[0], coef[1] / scale])
 
+    def _now(self) -> np.ndarray:
+        """The fit, or the prior when the link has not been observed for FORGET_S."""
+        return self._coef if time.monotonic() - self._last_at <= FORGET_S else self._prior
+
     def seconds(self, nbytes: int) -> float:
-        lat, inv_bw = self._coef
+        lat, inv_bw = self._now()
         return float(lat + nbytes * inv_bw) if nbytes > 0 else 0.0
 
     @property
     def bandwidth_bps(self) -> float:
-        return 1.0 / self._coef[1] if self._coef[1] > 0 else float("inf")
+        inv_bw = self._now()[1]
+        return 1.0 / inv_bw if inv_bw > 0 else float("inf")
 
     @property
     def latency_s(self) -> float:
-        return float(self._coef[0])
+        return float(self._now()[0])
 
 
 class PrefillModel:

@@ -492,7 +492,9 @@ class Directory:
             server, pool = "", self._redis.connection_pool
         conn = conns.get(server)
         if conn is None:
-            conn = conns[server] = pool.make_connection()
+            # (made outside the pool's count, which caps what it makes, 100 by default in redis-py, and never
+            # lowers it for a connection disconnected: one per short-lived thread would exhaust it)
+            conn = conns[server] = pool.connection_class(**pool.connection_kwargs)
             with self._conns_lock:  # the connections of threads that have ended go now: a server that runs each
                 kept = []  # request on a thread of its own would otherwise hold one per request, to EMFILE
                 for ref, c in self._thread_conns:

@@ -4,6 +4,7 @@ did (`StoreResult`). Integrations read these, not counter deltas."""
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvmesh.cost import LoadPlan
@@ -81,7 +82,8 @@ class RunStats:
     link: str  # the cost model's link: "local", "peer", "local-disk", "peer-disk"
     asked: int
     delivered: int
-    seconds: float  # from the start of the fetch to this run's end (runs overlap)
+    seconds: float  # its own time (fetcher._own): from its begin, less what it waited on the runs before it
+    error: str = ""  # why it ended short ("deadline", "not_held", ...), "" when it delivered all it was asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,4 +115,19 @@ class StoreResult:
     handed: int
     cached: int = 0
     dropped: int = 0
-    reason: str = ""  # why chunks were dropped: "busy", "no_local_node"
+    reason: str = ""  # why chunks were dropped: "busy", "no_device_memory", "no_local_node"
+
+
+def link_observations(runs: Sequence[RunStats], chunk_bytes: int) -> list[tuple[str, int, float]]:
+    """(link, bytes, seconds) per link of one fetch, for the cost model: the bytes each link delivered, in its
+    runs' own time. A run its deadline cut short counts the bytes it was asked in the time it waited: the link is
+    at least that slow, and a hung peer must not be planned again for every request (each of which would wait out
+    its deadline, then recompute anyway)."""
+    per: dict[str, tuple[int, float]] = {}
+    for r in runs:
+        n = r.asked if r.error == "deadline" else r.delivered
+        if n <= 0 or r.seconds <= 0:
+            continue
+        nbytes, seconds = per.get(r.link, (0, 0.0))
+        per[r.link] = (nbytes + n * chunk_bytes, seconds + r.seconds)
+    return [(link, nbytes, seconds) for link, (nbytes, seconds) in per.items()]

@@ -55,8 +55,10 @@ class StoreQueue:
         self._staging_jobs = 0
         self._stager: threading.Thread | None = None
         self._streams: dict = {}  # device -> side stream for device-to-host store copies
+        self.refused = ""  # why the last store that handed nothing over did not: "busy", "no_device_memory"
 
-    def submit(self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor]) -> int:
+    def submit(self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor], snapshot: bool = True) -> int:
+        """`snapshot=False`: the caller never writes the chunks again (a GPU store then reads them as they are)."""
         if not keys:
             return 0
         with self._lock:
@@ -65,12 +67,14 @@ class StoreQueue:
             busy = len(self._pending) + self._staging_jobs >= MAX_INFLIGHT
         if busy:
             self.counts["store_dropped_busy"] += 1
+            self.refused = "busy"
             return 0
-        if chunks[0].is_cuda:
+        if chunks[0].is_cuda and snapshot:
             try:
                 chunks = _snapshot(chunks)
             except torch.cuda.OutOfMemoryError:  # no room for the copy: not stored (never stale bytes)
                 self.counts["store_dropped_no_device_memory"] += 1
+                self.refused = "no_device_memory"
                 return 0
             gpu = self.gpu() if self.gpu is not None else None
             if gpu is not None and any(_reaches(chunks[0].device, d) for d in gpu.devices):
@@ -255,6 +259,12 @@ class StoreQueue:
         if self._stager is not None:
             self._staged.put(None)
             self._stager.join(timeout=10)
+
+
+def refusals(counts: Counter) -> int:
+    """Chunks of a client's stores refused before any reached its node (no node, too busy, no device memory): a
+    caller that must know whether its store was taken compares this before and after."""
+    return counts["store_no_local_node"] + counts["store_dropped_busy"] + counts["store_dropped_no_device_memory"]
 
 
 def _snapshot(chunks: list[torch.Tensor]) -> list[torch.Tensor]:

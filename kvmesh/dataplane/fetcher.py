@@ -129,11 +129,13 @@ class Fetcher:
         copy = env.here in budgets or opts.deadline - t0 > opts.adopt_within_s
         sink.prepare([i for r, k in zip(runs, kinds) if k in ("tcp", "ray") or copy and k in PINNED for i in r.indices])
         transfers: list[sources.Transfer | None] = [None] * len(runs)
+        begun = [t0] * len(runs)  # when each run was begun (windows begin as earlier ones are released)
         waiting: dict[str, list[int]] = {}  # node -> its windows not begun yet, in order
         pinned = dict.fromkeys(budgets, 0)  # node -> chunks of its begun windows not released yet
 
         def begin(j: int) -> None:
             r, k = runs[j], kinds[j]
+            begun[j] = time.monotonic()
             if time.monotonic() >= opts.deadline:  # (beginning a run can wait: a holder's address, a pin)
                 transfers[j] = sources.Failed(r, sink, k, "deadline")
             else:
@@ -158,11 +160,18 @@ class Fetcher:
                 else:
                     begin(j)
             begin_windows()
+            prev = t0
             for j, r in enumerate(runs):
                 t = transfers[j]
                 assert t is not None, "windows are begun in order, as the ones before them are released"
                 landed = t.complete(opts.deadline)
-                stats.append(RunStats(t.kind, _link(r), len(r.keys), landed.delivered, time.monotonic() - t0))
+                end = time.monotonic()
+                stats.append(
+                    RunStats(
+                        t.kind, _link(r), len(r.keys), landed.delivered, _own(t, begun[j], prev, end), landed.error
+                    )
+                )
+                prev = end
                 delivered += landed.delivered
                 corrupt += landed.corrupt
                 device += landed.device
@@ -186,6 +195,20 @@ class Fetcher:
 
 
 PINNED = ("slab", "via")  # runs this node answers with pinned slab slots
+
+
+def _own(t, begun: float, prev: float, end: float) -> float:
+    """A run's own time, for its link's cost model. Runs overlap and are completed in order, so the time to its
+    completion includes waiting on the runs before it: a fast slab run behind a slow peer would be charged the
+    peer's time. A receiver that notes when its bytes were in (`ready_at`, TCP) gives its time from its begin;
+    others are charged from their begin or the previous run's completion, whichever is later (what the wait on
+    the previous runs hid of its work is not charged: a lower bound when they overlap)."""
+    if isinstance(t, sources.Failed):  # never went out (no holder address, or begun past the deadline)
+        return 0.0
+    ready = getattr(t, "ready_at", None)
+    if ready is not None:
+        return max(0.0, min(ready, end) - begun)
+    return max(0.0, end - max(begun, prev))
 
 
 def _link(run: Run) -> str:

@@ -219,6 +219,7 @@ class TcpTransfer(Transfer):
         self.env = env
         self._cancel = threading.Event()
         self._sums: list[int] = []
+        self.ready_at: float | None = None  # when the pool thread had received all it would (the cost model's)
         self._future: Future = env.pool.submit(
             env.data.pull,
             address,
@@ -230,6 +231,10 @@ class TcpTransfer(Transfer):
             self._sums,
             self._cancel,
         )
+        self._future.add_done_callback(self._ready)
+
+    def _ready(self, _f: Future) -> None:
+        self.ready_at = time.monotonic()
 
     def complete(self, deadline: float) -> Landed:
         run = self.run

@@ -144,6 +144,17 @@ def _read(cfg, name: str, kind: str):
         ) from None
 
 
+def _bidirectional(model) -> str:
+    """The name of a self-attention module of the model that attends both ways, or "". Transformers' attention
+    modules say so themselves (`is_causal`: a BERT-family layer follows `config.is_decoder`, a decoder-only model's
+    is always True); cross-attention (never the prompt's own K/V) is not one."""
+    for name, m in model.named_modules():
+        if getattr(m, "is_causal", None) is False and not getattr(m, "is_cross_attention", False):
+            if "cross" not in name.lower() and "cross" not in type(m).__name__.lower():
+                return name or type(m).__name__
+    return ""
+
+
 def check_supported(model) -> None:
     """Raises `UnsupportedModel`, naming the model type and what it has, unless every decoder layer keeps plain
     per-token K/V of one shape."""
@@ -151,11 +162,6 @@ def check_supported(model) -> None:
     kind = getattr(cfg, "model_type", type(model).__name__)
     for name in _GEOMETRY:
         _read(cfg, name, kind)
-    if getattr(cfg, "is_decoder", None) is False and hasattr(cfg, "add_cross_attention"):
-        raise UnsupportedModel(
-            f"{kind}: config.is_decoder is False, so its attention is bidirectional: a prefix's K/V depends on the "
-            "tokens after it (give the config is_decoder=True to run it as a causal LM)"
-        )
     loops = getattr(cfg, "n_recurrent_loops", None)
     if isinstance(loops, int) and loops > 1:
         raise UnsupportedModel(
@@ -181,6 +187,12 @@ def check_supported(model) -> None:
         raise UnsupportedModel(
             f"{kind}: an encoder-decoder model (its decoder's KV depends on the encoder's input, and its cross-"
             "attention KV is not per prompt token); kvmesh.integrations.hf moves a decoder-only model's KV"
+        )
+    both_ways = _bidirectional(model)
+    if both_ways:
+        raise UnsupportedModel(
+            f"{kind}: its attention {both_ways} is not causal (is_causal False): a prefix's K/V depends on the "
+            "tokens after it (a BERT-family LM head runs as a causal LM with config.is_decoder=True)"
         )
     if not isinstance(getattr(cfg, "num_hidden_layers", None), int):
         raise UnsupportedModel(f"{kind}: its config has no num_hidden_layers: not a decoder this integration knows")
@@ -445,7 +457,8 @@ def generate(
         res.first_logits = logits[0].float().cpu()
     if client is not None and store:
         _check_cache(cache, client.spec, n)
-        res.stored_chunks = client.store(toks, kv_from_cache(cache, n, _decoder(model.config)[0]), cache_salt)
+        kv = kv_from_cache(cache, n, _decoder(model.config)[0])  # (a copy of its own: handed over, no other copy)
+        res.stored_chunks = client.store(toks, kv, cache_salt, handover=True)
     for _ in range(max_new_tokens - 1):
         nxt = _forward(model, nxt.view(1, 1), cache).logits[:, -1].argmax(-1)
         res.tokens.append(int(nxt))

@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from kvmesh._extras import MissingExtra
+from kvmesh.hashing import client_salt
 from kvmesh.spec import KVSpec
 
 try:
@@ -85,6 +86,7 @@ def router_config(
         raise TypeError(f"spec must be a kvmesh.KVSpec, got {type(spec).__name__}")
     _check_eps(eps)
     _check_min_cap(min_cap)
+    client_salt(cache_salt)  # (the router's client's salt: refused here, not at its first connect)
     kwargs = dict(
         spec=spec.canonical_bytes().hex(),
         eps=float(eps),
@@ -284,6 +286,8 @@ class LoadReporter:
         """The prompt tokens this replica's node would prefill for `tokens` (all of them when the directory does
         not answer)."""
         node = self.client.node_id
+        if self.client.closed:  # (the replica is shutting down: its client went first)
+            return len(tokens)
         est = self.client.route(tokens, [node]) if node else []
         return int(est[0].recompute_tokens) if est and est[0].known else len(tokens)
 
@@ -300,11 +304,16 @@ class LoadReporter:
             with self._cv:
                 if not self._dirty and not self._closed:
                     self._cv.wait(period)
-                if self._closed:
+                if self._closed or self.client.closed:
                     return
                 self._dirty = False
                 pending, depth = self.pending_prefill_tokens, self.queue_depth
-            self.client.report_load(pending, depth, self.replica_id)
+            try:
+                self.client.report_load(pending, depth, self.replica_id)
+            except ValueError:  # closed meanwhile: nothing more to report
+                if self.client.closed:
+                    return
+                raise
 
     def close(self) -> None:
         with self._cv:

@@ -70,9 +70,10 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvmesh.client import MAX_DEADLINE_S, KVMeshClient, connect
-from kvmesh.hashing import HASH_BYTES, root_hash, salt_bytes
+from kvmesh.hashing import HASH_BYTES, client_salt, root_hash
 from kvmesh.integrations.identity import local_model_id, model_fingerprint  # noqa: F401 (model_fingerprint: API)
 from kvmesh.spec import KVFormat, KVSpec
+from kvmesh.storequeue import refusals
 
 log = logging.getLogger("kvmesh.sglang")
 
@@ -288,7 +289,7 @@ class KVMeshStorage(HiCacheStorage):
             raise ValueError(
                 "kvmesh SGLang backend: split-head storage (TP sizes of different engines mixed) is not supported"
             )
-        salt_bytes(self.options.get("cache_salt"))
+        client_salt(self.options.get("cache_salt"))  # (the client's: refused here, not when SGLang registers)
         self.counts: Counter[str] = Counter()  # becomes the client's counts (exported with them) once connected
         self.client: KVMeshClient | None = None  # these three are set once SGLang registers its host pool
         self.spec: KVSpec | None = None
@@ -490,7 +491,7 @@ class KVMeshStorage(HiCacheStorage):
         """Hand the pages not yet cached to the local node and wait until it holds them and registered them."""
         group = self._refresh_generation()
         c = self.counts
-        refused = c["store_no_local_node"] + c["store_dropped_busy"]
+        refused = refusals(c)
         assert self.client is not None, "registered"
         # (waited for at most a read's deadline: the lock is the prefetch thread's too, and a node that stalls
         # must not hold SGLang's reads behind a write for flush's default 30 s; a write not done by then is one
@@ -499,7 +500,7 @@ class KVMeshStorage(HiCacheStorage):
         with self._io:
             sent = self.client.store_keys(group, page_keys(group, keys), chunks)
             stored = self.client.flush(timeout) if sent else 0
-        return stored == sent and c["store_no_local_node"] + c["store_dropped_busy"] == refused
+        return stored == sent and refusals(c) == refused
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kvmesh.integrations.vllm_meta import LoadJob
+from kvmesh.match import link_observations
 from kvmesh.movers import LayerwiseLoad
 from kvmesh.paged import scatter_chunks, scatter_layer
 
@@ -188,10 +189,9 @@ class Loader:
                 if f.got < match.num_chunks and st.error in ("peer_error", "deadline"):
                     holders = [h.node_id for h in match.chunks[f.got].holders if h.node_id != client.node_id]
                     f.unreachable = holders[0] if holders else ""
-                for source, k in (("local", st.local_chunks), ("peer", st.peer_chunks)):
-                    if k:  # the two overlap in time: each is charged the whole fetch (an upper bound)
-                        with w.mu:
-                            w.report.transfers.append((source, k * s.chunk_bytes, st.seconds))
+                observed = link_observations(st.runs, s.chunk_bytes)  # (per link, in each run's own time)
+                with w.mu:
+                    w.report.transfers.extend(observed)
             w.count("vllm_fetched_chunks", f.got)
             if f.got < len(f.hashes):
                 w.count("vllm_fetch_missing_chunks", len(f.hashes) - f.got)

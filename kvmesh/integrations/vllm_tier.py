@@ -79,6 +79,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvmesh.hashing import HASH_BYTES, root_hash
 from kvmesh.integrations.identity import local_model_id
 from kvmesh.spec import KVFormat, KVSpec
+from kvmesh.storequeue import refusals
 
 log = logging.getLogger("kvmesh.vllm.tier")
 # Bumped whenever this tier changes how it writes a row's bytes: rows written before are then never read.
@@ -380,10 +381,10 @@ class KVMeshTier(SecondaryTierManager):
         ok, sent = False, 0
         try:
             c = self.counts
-            refused = c["store_no_local_node"] + c["store_dropped_busy"]
+            refused = refusals(c)
             chunks = [self._rows[i].view(self.spec.chunk_shape) for i in chunk_ids]
             sent = self.client.store_keys(self.group, tier_keys(self.group, keys), chunks)  # copies the rows out
-            ok = c["store_no_local_node"] + c["store_dropped_busy"] == refused
+            ok = refusals(c) == refused
         except Exception as e:
             self.counts["vllm_tier_errors_store"] += 1
             log.warning("kvmesh vLLM tier: store of %d chunks failed: %s", len(keys), e)

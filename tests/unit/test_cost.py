@@ -82,3 +82,48 @@ def test_sources_load_in_parallel_so_a_mix_costs_its_slowest_source():
     assert mixed.est_reuse_s == pytest.approx(max(t_local, t_peer) + rest)
     assert peer.est_reuse_s == pytest.approx(cm.links["peer"].seconds(6 * cb) + rest)
     assert mixed.est_reuse_s < peer.est_reuse_s
+
+
+def test_a_link_that_becomes_slow_is_planned_as_slow_after_a_few_transfers_not_a_window():
+    """A fit of relative error follows the fast history (a 2 ms transfer weighs 500 times a 1 s one): without
+    starting anew, a peer that became slow kept being loaded from for a whole window (64) of requests."""
+    from kvmesh.cost import SHIFT_N
+
+    cm = cost_model(50e9, 1e-4)
+    peer = cm.link("peer")
+    for _ in range(20):
+        peer.observe(1 << 20, 0.002)
+    assert cm.plan(16384, 256, 1 << 20, ["peer"] * 64).reason != "recompute"
+    for _ in range(SHIFT_N):
+        peer.observe(1 << 20, 1.0)
+    assert peer.seconds(1 << 20) > 0.5
+    assert cm.plan(16384, 256, 1 << 20, ["peer"] * 64).reason == "recompute"
+    for _ in range(SHIFT_N):  # and fast again
+        peer.observe(1 << 20, 0.002)
+    assert peer.seconds(1 << 20) < 0.01
+
+
+def test_a_link_not_observed_for_a_while_is_its_prior_again_so_one_slow_transfer_does_not_stop_loading_for_good():
+    """The plan never loads over a link it thinks slow, so it never sees that link fast again: after FORGET_S
+    without an observation the link is its prior again, and the next load re-measures it."""
+    import time
+
+    from kvmesh.cost import FORGET_S
+
+    cm = cost_model(50e9, 1e-4)
+    peer = cm.link("peer")
+    peer.observe(8 << 20, 2.0)  # one fetch that hung until its deadline
+    assert cm.plan(8 * 256 + 1, 256, 1 << 20, ["peer"] * 8).reason == "recompute"
+    peer.observe(8 << 20, 2.0, now=time.monotonic() - FORGET_S - 1)  # (as if it were that long ago)
+    assert peer.latency_s == pytest.approx(1e-3) and peer.bandwidth_bps == pytest.approx(1e9)  # the prior
+    assert cm.plan(8 * 256 + 1, 256, 1 << 20, ["peer"] * 8).end > 0  # (loads; maybe computing a front part)
+    peer.observe(8 << 20, 0.01)  # a new observation after the gap: the old ones are gone
+    assert peer.seconds(8 << 20) < 0.05
+
+
+def test_a_runs_deadline_counts_as_a_slow_transfer_and_a_run_that_never_went_out_counts_as_nothing():
+    from kvmesh.match import RunStats, link_observations
+
+    runs = [RunStats("slab", "local", 6, 6, 0.003), RunStats("tcp", "peer", 4, 0, 2.0, "deadline"),
+            RunStats("tcp", "peer", 2, 0, 0.0, "deadline"), RunStats("tcp", "peer-disk", 3, 0, 0.01, "not_held")]
+    assert sorted(link_observations(runs, 100)) == [("local", 600, 0.003), ("peer", 400, 2.0)]

@@ -117,8 +117,13 @@ def test_models_of_more_than_one_kv_shape_or_of_looped_layers_are_refused_before
     # a BERT-family LM head without is_decoder=True attends both ways: reusing a prefix's K/V would be wrong
     bert = tf.BertLMHeadModel(tf.BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, intermediate_size=128, initializer_range=0.2)).eval()
-    with pytest.raises(UnsupportedModel, match="bert.*is_decoder"):
+    with pytest.raises(UnsupportedModel, match="bert.*not causal"):
         generate(bert, list(range(3, 30)), 2, client=Untouched())
+    # ... judged by its attention, not by config keys a causal model never reads (transformers 4's config.json)
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               is_decoder=False, add_cross_attention=False)).eval()
+    assert spec_for_model(llama, chunk_tokens=8).num_layers == 2
     for mode in ("per_loop", "last_loop"):
         cfg = tf.DoryConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=16, num_hidden_layers=3, n_input_layers=1,

@@ -9,10 +9,11 @@
     shutdown()                 mutates: stops the handoff thread (queued handoffs are dropped)
 
 The order of choices: a chunk demoted to this node's disk tier (the cascade does that whenever it has a disk tier
-with room) is safe already and counted as saved there; a chunk that leaves the node, was read by other nodes
-lately, is not a replica pulled from elsewhere, and whose expected recompute outweighs a move, is handed to the
-live peer with the most free room (CPU and disk, from the stats the nodes publish each heartbeat); anything else
-is dropped as before.
+with room) is safe already and counted as saved there (until the disk evicts it in its turn: chunks leaving from
+the disk tier are not handed off); a chunk that leaves the node, was read by other nodes lately (a replica pulled
+from elsewhere too: its source may have evicted the original since), and whose expected recompute outweighs a
+move, is handed to the live peer with the most free room (CPU and disk, from the stats the nodes publish each
+heartbeat) unless the directory lists another live holder; anything else is dropped as before.
 
 A handoff never blocks eviction: the bytes are copied aside (at most `max_bytes` waiting at once, beyond that the
 chunk is dropped) and one thread (`kvmesh-node-handoff`) does the network part, each step bounded: it asks the

@@ -71,18 +71,20 @@ class Leaving:
     nbytes: int
     reads: int  # reads of it by other nodes within the window (this node's own readers do not count)
     idle_s: float  # seconds since the last of them
-    replica: bool  # this node's copy was pulled from a holder (another copy is known to exist)
+    replica: bool  # this node's copy was pulled from a holder (another copy existed then: not a reason now)
 
 
 def save_last_copy(c: Leaving, window_s: float, recompute_bps: float, move_bps: float) -> bool:
     """Whether a chunk leaving a node should be handed to a peer instead of dropped. Pure.
 
-    Worth it when other nodes read it within `window_s`, no other copy is known, and the recompute its reads are
-    expected to cost again (the reads in the window, fading linearly as it stays idle, each `nbytes /
-    recompute_bps` seconds of prefill) outweighs moving it once (`HANDOFF_LATENCY_S + nbytes / move_bps`): big
-    chunks read once may not be worth a move that small ones are, and a chunk read often is worth more than one
-    read once. Whether it is the cluster's last copy is checked again off the eviction path, in the directory."""
-    if c.replica or c.reads <= 0 or window_s <= 0 or c.idle_s >= window_s or c.nbytes <= 0:
+    Worth it when other nodes read it within `window_s` and the recompute its reads are expected to cost again
+    (the reads in the window, fading linearly as it stays idle, each `nbytes / recompute_bps` seconds of prefill)
+    outweighs moving it once (`HANDOFF_LATENCY_S + nbytes / move_bps`): big chunks read once may not be worth a
+    move that small ones are, and a chunk read often is worth more than one read once. Whether it is the
+    cluster's last copy is checked off the eviction path, in the directory: a replica pulled from a holder is not
+    refused here, since that holder may have evicted its own copy since (skipping its handoff because the replica
+    existed), which makes the replica the last one."""
+    if c.reads <= 0 or window_s <= 0 or c.idle_s >= window_s or c.nbytes <= 0:
         return False
     expected_reads = c.reads * (1.0 - c.idle_s / window_s)
     return expected_reads * c.nbytes / recompute_bps > HANDOFF_LATENCY_S + c.nbytes / move_bps

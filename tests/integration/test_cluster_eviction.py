@@ -1,7 +1,8 @@
 """Cluster eviction on the real 3-node Ray cluster: the session's KVNodes are replaced, for this module, by ones
 with 8-slot CPU tiers (node 0 also a disk tier) and a slow model's recompute cost, then put back as they were.
-The last copy of a chunk other nodes read survives its eviction, on the node's disk or handed to a peer; a chunk
-nobody else read, or of which a replica exists, is dropped as before; a dead target makes a handoff a drop."""
+The last copy of a chunk other nodes read survives its eviction, on the node's disk or handed to a peer (a replica
+too, once its original is gone); a chunk nobody else read, or of which another copy lives, is dropped as before; a
+dead target makes a handoff a drop."""
 
 import time
 
@@ -120,6 +121,13 @@ def test_a_chunk_with_a_replica_elsewhere_is_dropped_normally(nodes):
     wait_until(lambda: stats(b).get("handoff_not_last", 0) == before.get("handoff_not_last", 0) + 2, 15)
     assert stats(b).get("handoff_ok", 0) == before.get("handoff_ok", 0)
     assert [{n for n, _ in w} for w in on_node(a, w_where, 20)] == [{c}, {c}]
+    assert on_node(a, w_read, 20) == (True, 2)  # node 0 now reads the replica, the cluster's last copy
+    # ... which is handed off in its turn, not dropped as "a replica" (its original went above)
+    ok = stats(c).get("handoff_ok", 0)
+    fill(c)
+    wait_until(lambda: stats(c).get("handoff_ok", 0) == ok + 2, 15)
+    where = on_node(a, w_where, 20)
+    assert len(where) == 2 and all(w and c not in {n for n, _ in w} for w in where)
     assert on_node(a, w_read, 20) == (True, 2)
 
 

@@ -308,9 +308,11 @@ class KVMeshClient:
         self.counts["recomputed_tokens"] += recomputed
 
     def _link(self, holder: Holder) -> str:
-        """The link a chunk comes over, for the cost model: this node or a peer, and whether from its disk."""
-        where = "local" if holder.node_id == self.node_id else "peer"
-        return f"{where}-disk" if holder.tier == TIER_DISK else where
+        """The link a chunk comes over, for the cost model: this node or a peer (each its own: one slow peer does
+        not make the plan recompute what a fast one holds), and whether from its disk."""
+        if holder.node_id == self.node_id:
+            return "local-disk" if holder.tier == TIER_DISK else "local"
+        return f"{'peer-disk' if holder.tier == TIER_DISK else 'peer'}:{holder.node_id}"
 
     def plan(self, match: Match, prompt_tokens: int, allow_split: bool = True, count: bool = True) -> LoadPlan:
         """The cost model's plan for using `match` in a prompt of `prompt_tokens` tokens."""
@@ -477,7 +479,7 @@ class KVMeshClient:
             self.counts[f"fetched_bytes:{source}:{TIER_NAMES[h.tier]}:{device.type}"] += cb
         for link, nbytes, seconds in link_observations(st.runs, cb):
             self.cost.observe_transfer(link, nbytes, seconds)
-            self._samples.append(("transfer", link, seconds))
+            self._samples.append(("transfer", link.split(":")[0], seconds))  # (metrics: by kind of link)
         if st.corrupt:
             self.counts["fetch_checksum_failures"] += st.corrupt
         if got < n:

@@ -164,12 +164,22 @@ class CostModel:
         self.margin = margin
 
     def link(self, source: str) -> LinkModel:
+        """The model of `source`. "<kind>:<node id>" (one peer's link) starts from the prior of "<kind>"."""
         if source not in self.links:
-            self.links[source] = LinkModel(bandwidth_bps=1e9, latency_s=1e-3)  # a modest guess
+            base = self.links.get(source.split(":", 1)[0])
+            self.links[source] = (
+                LinkModel(1.0 / base._prior[1], float(base._prior[0]))
+                if base is not None and ":" in source
+                else LinkModel(bandwidth_bps=1e9, latency_s=1e-3)  # a modest guess
+            )
         return self.links[source]
 
     def observe_transfer(self, source: str, nbytes: int, seconds: float) -> None:
+        """A transfer over `source`; one over a peer's own link is also one of its kind's (what a router prices
+        for a node it has no link to, `routing`)."""
         self.link(source).observe(nbytes, seconds)
+        if ":" in source:
+            self.link(source.split(":", 1)[0]).observe(nbytes, seconds)
 
     def plan(
         self, prompt_tokens: int, chunk_tokens: int, chunk_bytes: int, sources: list[str], allow_split: bool = True

@@ -212,6 +212,8 @@ def _own(t, begun: float, prev: float, end: float) -> float:
 
 
 def _link(run: Run) -> str:
-    """The cost model's name for the link a run comes over."""
-    where = "local" if run.local else "peer"
-    return f"{where}-disk" if run.tiers and run.tiers[0] == TIER_DISK else where
+    """The cost model's name for the link a run comes over (`KVMeshClient._link`: a peer's is its own)."""
+    disk = bool(run.tiers) and run.tiers[0] == TIER_DISK
+    if run.local:
+        return "local-disk" if disk else "local"
+    return f"{'peer-disk' if disk else 'peer'}:{run.holder}"

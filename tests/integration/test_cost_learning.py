@@ -1,7 +1,8 @@
 """The cost model learns from what fetches really took, per link: a peer that hangs until the fetch's deadline is
-planned as slow from the next request on (not loaded from, waited out and recomputed for every request), and a
-fast run of this node's own slab behind a slow peer's run is charged its own time, not the peer's. Two plain
-KVNodes against a real redis-server; the slow peer is its real data server made to wait before it answers."""
+planned as slow from the next request on (not loaded from, waited out and recomputed for every request) while
+other peers are still loaded from, and a fast run of this node's own slab behind a slow peer's run is charged its
+own time, not the peer's. Three plain KVNodes against a real redis-server; the slow peer is its real data server
+made to wait before it answers."""
 
 import os
 import time
@@ -28,7 +29,7 @@ def nodes(tmp_path):
                            slot_bytes=SPEC.chunk_bytes, lease_s=4.0, heartbeat_s=0.3, node_refresh_s=0.2,
                            fetch_timeout_s=1.0, shm_dir=str(tmp_path))
         os.makedirs(cfg.shm_dir, exist_ok=True)
-        made = [KVNode(cfg, ch * 32, f"kvnode-{ch}") for ch in "ab"]
+        made = [KVNode(cfg, ch * 32, f"kvnode-{ch}") for ch in "abc"]
         for n in made:
             n.peers = lambda node, me=n: next((LocalHandle(p, me.node_id) for p in made if p.node_id == node), None)
         try:
@@ -55,15 +56,20 @@ def learn_prefill(client, tokens_per_s: float = 2000.0) -> None:
 
 
 def test_a_peer_that_hangs_until_the_deadline_is_planned_as_slow_from_the_next_request_on(nodes):
-    a, b = nodes
-    ca = connect_local(SPEC, a, peers=[b])
-    cb = connect_local(SPEC, b, peers=[a])
+    a, b, c = nodes
+    ca = connect_local(SPEC, a, peers=[b, c])
+    cb = connect_local(SPEC, b, peers=[a, c])
+    cc = connect_local(SPEC, c, peers=[a, b])
     try:
         learn_prefill(ca)
         toks, kv = prompt(1, 8)
         cb.store(toks, kv)
         cb.flush()
+        other, kv2 = prompt(3, 8)
+        cc.store(other, kv2)
+        cc.flush()
         wait_until(lambda: ca.lookup(toks, cost_model=False).num_chunks == 8, 5)
+        wait_until(lambda: ca.lookup(other, cost_model=False).num_chunks == 8, 5)
         first = ca.lookup(toks, max_chunks=8)
         assert first.plan.end == 8  # a healthy peer: loading wins
         slow(b, 30.0)  # its data server hangs; its lease stays alive
@@ -73,13 +79,18 @@ def test_a_peer_that_hangs_until_the_deadline_is_planned_as_slow_from_the_next_r
         assert ca.last_fetch.error == "deadline"
         again = ca.lookup(toks, max_chunks=8)
         assert again.plan.reason == "recompute", again.plan  # not another deadline to wait out
+        healthy = ca.lookup(other, max_chunks=8)  # another peer's link is its own: still loaded from
+        assert healthy.plan.end == 8, healthy.plan
+        got = ca.fetch(healthy)
+        assert torch.equal(got.view(torch.int16), kv2[:, :, : 8 * CH].view(torch.int16))
     finally:
         ca.close()
         cb.close()
+        cc.close()
 
 
 def test_a_slab_run_behind_a_slow_peers_run_is_charged_its_own_time(nodes):
-    a, b = nodes
+    a, b, _ = nodes
     ca = connect_local(SPEC, a, peers=[b])
     cb = connect_local(SPEC, b, peers=[a])
     try:
@@ -95,7 +106,7 @@ def test_a_slab_run_behind_a_slow_peers_run_is_charged_its_own_time(nodes):
         got = ca.fetch(match)
         assert got.shape[2] == 8 * CH and torch.equal(got.view(torch.int16), kv[:, :, : 8 * CH].view(torch.int16))
         runs = {r.link: r for r in ca.last_fetch.runs}
-        assert runs["peer"].seconds >= 0.5
+        assert runs[f"peer:{b.node_id}"].seconds >= 0.5
         assert runs["local"].seconds < 0.3, ca.last_fetch.runs  # not the 0.6 s it waited behind the peer
         assert ca.cost.link("local").seconds(6 * SPEC.chunk_bytes) < max(0.1, 10 * before)
     finally:

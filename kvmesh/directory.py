@@ -180,6 +180,7 @@ class Directory:
         n = f"{prefix}:{{n}}"
         self._k_epoch, self._k_counter = f"{n}:epoch", f"{n}:counter"
         self._k_inc, self._k_deadline, self._k_info = f"{n}:inc", f"{n}:lease", f"{n}:info"
+        self._k_stats = f"{n}:stats"  # (telemetry.Records' hash of the nodes' published stats)
         self._k_ver, self._k_clock = f"{n}:ver", f"{n}:clock"
         # node_table's rows as of membership version `_table_ver` of epoch `_table_epoch`: node id -> (inc, info)
         self._table_lock = threading.Lock()
@@ -269,7 +270,9 @@ class Directory:
     def leave(self, lease: Lease) -> bool:
         return bool(
             self._leave(
-                keys=[self._k_inc, self._k_deadline, self._k_info, self._k_ver],
+                # (and its published stats: a node id gone for good must not stay on the live page, nor be one
+                # more field of a hash every reader of it reads whole, for the cluster's life)
+                keys=[self._k_inc, self._k_deadline, self._k_info, self._k_ver, self._k_stats],
                 args=[lease.node_id, lease.incarnation, os.urandom(8).hex()],
             )
         )

@@ -135,6 +135,7 @@ if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('HDEL', KEYS[3], ARGV[1])
   redis.call('SET', KEYS[4], ARGV[3])
+  redis.call('HDEL', KEYS[5], ARGV[1])
   return 1
 end
 return 0

@@ -70,6 +70,7 @@ _SLAB_RE = re.compile(r"^kvmesh-(?P<node>[0-9a-f]+)-(?P<pid>\d+)-[0-9a-f]+(\.nod
 PIN_WAIT_S = 1.0  # a pin waits at most this long for chunks it cannot bring into the slab this moment
 WRITEBACK_WAIT_S = 2.0  # a store waits at most this long, in all, for write-back buffers (then evictions drop)
 REGISTER_WAIT_S = 3.0  # a store returns once its chunks are registered, or after this (they stay queued)
+MAX_PENDING_EVENTS = 200  # live-page events kept while Redis is away (it keeps the last 200 anyway)
 
 
 def remove_stale_slabs(shm_dir: str = "/dev/shm") -> int:
@@ -151,6 +152,7 @@ class KVNode:
                 self._io.put(("verify", r))
         self._promote: list[bytes] = []  # keys hit on the CPU tier, promoted by the maintenance thread
         self._served: Counter[str] = Counter()  # bytes served, by requesting node id
+        self._served_at: dict[str, float] = {}  # when each was last served (monotonic)
         self._group_hits: Counter[bytes] = Counter()  # chunk hits by prompt group (first-chunk hash)
         self._pending_events: list = []
         self.data_server = None
@@ -380,6 +382,7 @@ class KVNode:
             if requester != self.node_id and rec.key is not None:
                 self.last_copies.read_by_peer(rec.key)
         self._served[requester] += nbytes
+        self._served_at[requester] = time.monotonic()
         if len(self._group_hits) > 4096:  # keep the top ones only
             self._group_hits = Counter(dict(self._group_hits.most_common(1024)))
 
@@ -617,6 +620,7 @@ class KVNode:
 
     def _publish(self) -> None:
         """Telemetry at the edge: the stats snapshot to Redis (the live page) and to Ray metrics."""
+        self._forget_readers()
         stats = self.stats()
         export_node_stats(self._ray_metrics, self.node_id, stats, self._last_published)
         self._last_published = stats
@@ -629,7 +633,22 @@ class KVNode:
             pass
 
     def _event(self, kind: str, reason: str, detail: str = "") -> None:
-        self._pending_events.append((kind, reason, detail))
+        if len(self._pending_events) < MAX_PENDING_EVENTS:  # (Redis away: the live page keeps no more than that)
+            self._pending_events.append((kind, reason, detail))
+
+    def _forget_readers(self) -> None:
+        """Bytes served to readers that are no longer in the node table, and were not served for 10 leases, go (a
+        node id gone for good, e.g. a replaced machine, would otherwise stay one more entry of every stats snapshot
+        and one more metric series, for this node's life). A table this node could not read (empty) forgets
+        nobody."""
+        live = self.view.table().by_node()
+        if not live:
+            return
+        idle = time.monotonic() - 10 * self.config.lease_s
+        with self.lock:
+            for reader in [r for r in self._served if r not in live and self._served_at.get(r, 0.0) < idle]:
+                del self._served[reader]
+                self._served_at.pop(reader, None)
 
     def _io_loop(self) -> None:
         disk = self.cascade.disk

@@ -36,6 +36,7 @@ from kvmesh.wire import NodeInfo
 
 log = logging.getLogger("kvmesh.node")
 RETRY_S = 0.2  # after a failed send, the next try comes this much later (or at the next heartbeat)
+MAX_QUEUED = 1 << 17  # changes queued while Redis is away, at most: beyond, the queue goes and the node re-joins
 
 
 class Registrar:
@@ -74,6 +75,7 @@ class Registrar:
         self._sent = 0  # every post up to this one has been sent
         self._sending = False
         self._reregister = False  # everything held must be registered afresh (after a re-join, or a failed one)
+        self._rejoin_due = False  # the queue overflowed: re-join first (its unregisters are lost with it)
         self._next_heartbeat = time.monotonic() + heartbeat_s
         self._retry_at = 0.0
         self._failing = False  # the last round failed to reach Redis (cleared by the next round that does)
@@ -87,6 +89,10 @@ class Registrar:
             if changes and not self.fenced:  # a fenced node registers nothing any more
                 self._queued.update(changes)
                 self._posted += 1
+                if len(self._queued) > MAX_QUEUED:  # a long outage under churn (mostly unregisters of chunks
+                    self._queued.clear()  # stored and evicted meanwhile): re-join under a new incarnation once
+                    self._rejoin_due = self._reregister = True  # Redis answers (the janitor purges the old
+                    # one's entries through its index) and register what is held then
                 self._cv.notify()
             return self._posted
 
@@ -140,6 +146,10 @@ class Registrar:
                 if time.monotonic() >= self._next_heartbeat:
                     self._next_heartbeat = time.monotonic() + self.heartbeat_s
                     self._heartbeat()
+                if self._rejoin_due and not self.fenced:
+                    self._rejoin()
+                    self._rejoin_due = False
+                    self._count("registrar_queue_overflows")
                 if self._reregister:
                     self._register_all()
                 self._send()

@@ -277,9 +277,8 @@ def export_node_stats(ray_exp: RayExporter, node: str, stats: dict, last: dict) 
         ray_exp.set("kvmesh_tier_used_bytes", tier["used_bytes"], node=node, tier=tier["tier"])
         ray_exp.set("kvmesh_tier_chunks", tier["chunks"], node=node, tier=tier["tier"])
     for peer, nbytes in stats.get("served_bytes", {}).items():
-        ray_exp.inc(
-            "kvmesh_served_bytes_total", nbytes - last.get("served_bytes", {}).get(peer, 0), node=node, peer=peer
-        )
+        prev = last.get("served_bytes", {}).get(peer, 0)  # (a reader forgotten, then back: counted from 0 again)
+        ray_exp.inc("kvmesh_served_bytes_total", nbytes - prev if nbytes >= prev else nbytes, node=node, peer=peer)
     for key, v in stats.items():
         if key.startswith("disk_write_E") or key.startswith("disk_read_E"):
             ray_exp.inc("kvmesh_disk_errors_total", v - last.get(key, 0), node=node, errno=key.split("_")[-1])

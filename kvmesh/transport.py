@@ -139,6 +139,8 @@ class DataServer:
         self._thread.join(timeout=2)
 
 
+IDLE_S = 60.0  # a kept connection idle this long is closed (the next pull from that peer connects anew)
+IDLE_PER_PEER = 8  # kept connections per peer address at most
 RECV_STEP_S = 0.1  # a receive waits at most this long before the deadline and `cancel` are checked again
 
 
@@ -183,10 +185,12 @@ def _recv_frame_by(sock: socket.socket, deadline: float, cancel: threading.Event
 
 
 class DataClient:
-    """Pulls chunks from peers' DataServers, keeping one idle connection per peer for reuse."""
+    """Pulls chunks from peers' DataServers, keeping idle connections per peer for reuse: at most IDLE_PER_PEER
+    each, closed once idle for IDLE_S (a peer that restarted listens on a new port: its old address is never asked
+    again, and its sockets would stay open for the client's life)."""
 
     def __init__(self, connect_timeout_s: float = 1.0) -> None:
-        self._idle: dict[str, list[socket.socket]] = {}
+        self._idle: dict[str, list[tuple[float, socket.socket]]] = {}  # address -> (idle since, socket)
         self._lock = threading.Lock()
         self.connect_timeout_s = connect_timeout_s
 
@@ -195,7 +199,10 @@ class DataClient:
         with self._lock:
             pool = self._idle.get(address)
             if pool and reuse:
-                return pool.pop(), True
+                sock = pool.pop()[1]
+                if not pool:
+                    del self._idle[address]
+                return sock, True
         host, port = address.rsplit(":", 1)
         timeout = max(0.01, min(self.connect_timeout_s, deadline - time.monotonic()))
         sock = socket.create_connection((host, int(port)), timeout=timeout)
@@ -260,14 +267,32 @@ class DataClient:
         except (OSError, WireError) as e:  # socket.timeout is an OSError (and a TimeoutError)
             sock.close()
             return done, e
-        with self._lock:
-            self._idle.setdefault(address, []).append(sock)
+        self._keep(address, sock)
         return done, None
+
+    def _keep(self, address: str, sock: socket.socket) -> None:
+        now = time.monotonic()
+        stale: list[tuple[float, socket.socket]] = []
+        with self._lock:
+            pool = self._idle.setdefault(address, [])
+            pool.append((now, sock))
+            if len(pool) > IDLE_PER_PEER:
+                stale.append(pool.pop(0))
+            for addr in list(self._idle):
+                kept: list[tuple[float, socket.socket]] = []
+                for t, s in self._idle[addr]:
+                    (kept if now - t <= IDLE_S else stale).append((t, s))
+                if kept:
+                    self._idle[addr] = kept
+                else:
+                    del self._idle[addr]
+        for _, s in stale:
+            s.close()
 
     def close(self) -> None:
         with self._lock:
             for pool in self._idle.values():
-                for s in pool:
+                for _, s in pool:
                     s.close()
             self._idle.clear()
 

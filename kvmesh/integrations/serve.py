@@ -64,6 +64,7 @@ except ModuleNotFoundError as e:  # Ray without its serve extra (starlette, fast
 DEFAULT_EPS = 0.25
 DEFAULT_MIN_CAP = 4
 RECONNECT_S = 10.0  # how often a router that could not connect tries again
+WORK_TTL_S = 60.0  # a routed request not seen complete by then no longer counts in its replica's queue
 
 log = logging.getLogger("kvmesh.serve")
 
@@ -202,6 +203,10 @@ class KVMeshRouter(RequestRouter):
         request at a time: by then it has worked on them that long)."""
         total: dict[str, float] = {}
         first: dict[str, float] = {}
+        # a request routed but never sent (cancelled while it waited for room) is never completed either: Serve
+        # calls neither hook for it. Its entry goes after WORK_TTL_S, not at the router's end
+        for request_id in [k for k, (_, _, at) in self.work.items() if now - at > WORK_TTL_S]:
+            del self.work[request_id]
         for rid, seconds, at in self.work.values():
             total[rid] = total.get(rid, 0.0) + seconds
             first[rid] = min(first.get(rid, at), at)

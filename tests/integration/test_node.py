@@ -181,6 +181,66 @@ def test_changes_made_while_redis_hangs_reach_it_when_it_answers_again(tmp_path)
             node.shutdown()
 
 
+def test_a_node_that_leaves_takes_its_stats_along_and_forgets_readers_gone_for_good(private_redis, tmp_path):
+    """The live page's hash of published stats kept a field for every node id ever seen (a replaced machine, a
+    restarted raylet), and a node kept the bytes it served to every reader id it ever saw: both only grow."""
+    from kvmesh.telemetry import Records
+
+    redis.Redis.from_url(private_redis.url).flushall()
+    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="ts", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
+                       lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path))
+    a, b = WireNode(cfg, "node-s" * 4, "kvnode-s"), WireNode(cfg, "node-t" * 4, "kvnode-t")
+    records = Records(redis.Redis.from_url(private_redis.url), "ts")
+    try:
+        a._served[b.node_id] += 10
+        a._served["gone" * 8] += 10  # a reader no longer in the node table, not served for 10 leases
+        a._served_at[b.node_id], a._served_at["gone" * 8] = time.monotonic(), time.monotonic() - 10 * cfg.lease_s - 1
+        a._publish()
+        b._publish()
+        assert set(a.stats()["served_bytes"]) == {b.node_id}
+        wait_until(lambda: set(records.read()[0]) == {a.node_id, b.node_id}, 5)
+        b.shutdown()
+        wait_until(lambda: set(records.read()[0]) == {a.node_id}, 5)
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_long_outage_under_churn_does_not_queue_changes_without_bound(tmp_path, monkeypatch):
+    """Every store and eviction while Redis is away queues a change (mostly unregisters of chunks stored and
+    evicted meanwhile): ~1,600 a second under churn, without bound. Past MAX_QUEUED the queue goes, and the node
+    re-joins under a new incarnation once Redis answers (the old one's entries purged through its index) and
+    registers what it holds then: exactly that is listed."""
+    import os
+    import signal
+
+    from kvmesh import registrar
+    from kvmesh.local import RedisServer
+
+    monkeypatch.setattr(registrar, "MAX_QUEUED", 5)
+    with RedisServer() as server:
+        node = aof_node(server, tmp_path, "node-q")
+        try:
+            node.store(*chunks(*range(1, 9)))
+            inc = node.lease.incarnation
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                node.store(*chunks(*range(11, 15)))  # 4 stored, 4 evicted: 8 changes for a queue of 5
+                assert len(node.registrar._queued) <= 5
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            wait_until(lambda: node.lease.incarnation != inc and not node.registrar.pending, 10)
+            assert node.stats()["registrar_queue_overflows"] >= 1
+            wait_until(lambda: not node.janitor._to_purge, 10)
+            assert len(lookup(node, range(1, 9))) == 4 and len(lookup(node, range(11, 15))) == 4
+            node.check_integrity(directory=True)  # no phantom of the evicted four, the rest listed
+            d = Directory(server.url, "tn")
+            wait_until(lambda: d.entries_of(inc) == {}, 10)  # the old incarnation's entries were purged
+            d.close()
+        finally:
+            node.shutdown()
+
+
 def test_a_redis_that_restarts_with_its_data_makes_nodes_re_register(tmp_path):
     """A restart from disk (or a failover to a replica) keeps the epoch but may have lost recent writes, or kept
     entries of chunks since evicted: the node sees the server's run id change and re-joins and re-registers."""

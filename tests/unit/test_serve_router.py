@@ -80,6 +80,17 @@ def test_the_routers_own_queued_work_counts_down_from_the_oldest_request():
     assert r.queued_s(10.3) == pytest.approx({"a": 1.2, "b": 0.0})
 
 
+def test_a_request_routed_but_never_sent_stops_counting_in_its_replicas_queue():
+    """Serve calls neither on_send_request nor on_request_completed for a request cancelled while it waited for
+    room: its entry would stay for the router's life, one per such request, its estimate in the queue for good."""
+    from kvmesh.integrations.serve import WORK_TTL_S
+
+    r = router(0.25, {})
+    r.work = {"lost": ("a", 0.5, 0.0), "q1": ("a", 1.0, WORK_TTL_S + 10.0)}
+    assert r.queued_s(WORK_TTL_S + 10.3) == pytest.approx({"a": 0.7})
+    assert list(r.work) == ["q1"]
+
+
 def test_router_config_carries_a_json_safe_spec_and_checks_eps():
     s = KVSpec("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=32)
     cfg = router_config(s, eps=0.5, cache_salt="t")

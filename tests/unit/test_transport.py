@@ -118,3 +118,29 @@ def test_shutdown_stops_accepting_at_once():
     except OSError:
         listening = False
     assert not listening
+
+
+def test_connections_kept_for_a_peer_that_is_gone_are_closed_once_idle(monkeypatch):
+    """A peer that restarted listens on a new port: its old address is never asked again, and the connections
+    kept for it stayed open for the client's life (two file descriptors per peer restart, to EMFILE)."""
+    from kvmesh import transport
+
+    client = DataClient()
+    pairs = [socket.socketpair() for _ in range(3)]
+    try:
+        client._keep("10.0.0.1:1000", pairs[0][0])
+        assert list(client._idle) == ["10.0.0.1:1000"]
+        monkeypatch.setattr(transport, "IDLE_S", 0.0)
+        time.sleep(0.01)
+        client._keep("10.0.0.1:2000", pairs[1][0])  # (the next connection kept, to anyone, prunes)
+        assert list(client._idle) == ["10.0.0.1:2000"]
+        assert pairs[0][0].fileno() == -1  # closed
+        monkeypatch.setattr(transport, "IDLE_S", 60.0)
+        monkeypatch.setattr(transport, "IDLE_PER_PEER", 1)
+        client._keep("10.0.0.1:2000", pairs[2][0])
+        assert [s for _, s in client._idle["10.0.0.1:2000"]] == [pairs[2][0]] and pairs[1][0].fileno() == -1
+    finally:
+        client.close()
+        for a, b in pairs:
+            a.close()
+            b.close()

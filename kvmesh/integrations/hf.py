@@ -144,13 +144,19 @@ def _read(cfg, name: str, kind: str):
         ) from None
 
 
+# how transformers names cross-attention (K/V of an encoder's output, not the prompt's): BART's, Whisper's, ...
+# `encoder_attn`, BERT's `crossattention`, T5's `EncDecAttention`
+_CROSS = ("cross", "encoder_attn", "encdec", "enc_dec")
+
+
 def _bidirectional(model) -> str:
     """The name of a self-attention module of the model that attends both ways, or "". Transformers' attention
     modules say so themselves (`is_causal`: a BERT-family layer follows `config.is_decoder`, a decoder-only model's
     is always True); cross-attention (never the prompt's own K/V) is not one."""
     for name, m in model.named_modules():
         if getattr(m, "is_causal", None) is False and not getattr(m, "is_cross_attention", False):
-            if "cross" not in name.lower() and "cross" not in type(m).__name__.lower():
+            what = f"{name}.{type(m).__name__}".lower()
+            if not any(c in what for c in _CROSS):
                 return name or type(m).__name__
     return ""
 

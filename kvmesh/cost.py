@@ -27,6 +27,7 @@ import numpy as np
 
 WINDOW = 64  # observations kept per model
 FORGET_S = 30.0  # a link's observations this old are forgotten: its prior again (the plan loads, and re-measures)
+MAX_LINKS = 256  # link models kept before those of peers not observed lately go
 SHIFT_N, SHIFT_X = 3, 4.0  # this many transfers in a row this many times slower (or faster) than the fit: a new
 # regime, and the older observations go (a fit of relative error follows the fast ones, 500 to 1 at 2 ms vs 1 s)
 
@@ -166,6 +167,10 @@ class CostModel:
     def link(self, source: str) -> LinkModel:
         """The model of `source`. "<kind>:<node id>" (one peer's link) starts from the prior of "<kind>"."""
         if source not in self.links:
+            if len(self.links) >= MAX_LINKS:  # peers' links not observed for FORGET_S are their priors anyway: a
+                now = time.monotonic()  # cluster's node ids over weeks (replaced machines) do not pile up
+                for name in [n for n, m in self.links.items() if ":" in n and now - m._last_at > FORGET_S]:
+                    del self.links[name]
             base = self.links.get(source.split(":", 1)[0])
             self.links[source] = (
                 LinkModel(1.0 / base._prior[1], float(base._prior[0]))

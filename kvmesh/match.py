@@ -3,6 +3,7 @@ did (`StoreResult`). Integrations read these, not counter deltas."""
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -79,11 +80,12 @@ class RunStats:
     """One run of a fetch: chunks asked of one holder through one source."""
 
     source: str  # "slab" (this node's shared memory), "via" (pulled through this node), "tcp", "ray"
-    link: str  # the cost model's link: "local", "peer", "local-disk", "peer-disk"
+    link: str  # the cost model's link: "local", "local-disk", "peer:<node id>", "peer-disk:<node id>"
     asked: int
     delivered: int
-    seconds: float  # its own time (fetcher._own): from its begin, less what it waited on the runs before it
+    seconds: float  # its own time (fetcher._timing): not what it waited on the runs before it
     error: str = ""  # why it ended short ("deadline", "not_held", ...), "" when it delivered all it was asked
+    start: float = 0.0  # when its own time began, from the fetch's start
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,15 +121,16 @@ class StoreResult:
 
 
 def link_observations(runs: Sequence[RunStats], chunk_bytes: int) -> list[tuple[str, int, float]]:
-    """(link, bytes, seconds) per link of one fetch, for the cost model: the bytes each link delivered, in its
-    runs' own time. A run its deadline cut short counts the bytes it was asked in the time it waited: the link is
-    at least that slow, and a hung peer must not be planned again for every request (each of which would wait out
-    its deadline, then recompute anyway)."""
-    per: dict[str, tuple[int, float]] = {}
+    """(link, bytes, seconds) per link of one fetch, for the cost model: the bytes each link delivered, in the span
+    of its runs' own times (from the first one's start to the last one's end: a peer's batches run at once, on
+    several threads, and the link took that long for them all, not the sum). A run its deadline cut short counts
+    the bytes it was asked in the time it waited: the link is at least that slow, and a hung peer must not be
+    planned again for every request (each of which would wait out its deadline, then recompute anyway)."""
+    per: dict[str, tuple[int, float, float]] = {}
     for r in runs:
         n = r.asked if r.error == "deadline" else r.delivered
         if n <= 0 or r.seconds <= 0:
             continue
-        nbytes, seconds = per.get(r.link, (0, 0.0))
-        per[r.link] = (nbytes + n * chunk_bytes, seconds + r.seconds)
-    return [(link, nbytes, seconds) for link, (nbytes, seconds) in per.items()]
+        nbytes, first, last = per.get(r.link, (0, math.inf, 0.0))
+        per[r.link] = (nbytes + n * chunk_bytes, min(first, r.start), max(last, r.start + r.seconds))
+    return [(link, nbytes, last - first) for link, (nbytes, first, last) in per.items()]

@@ -76,6 +76,7 @@ class Registrar:
         self._sending = False
         self._reregister = False  # everything held must be registered afresh (after a re-join, or a failed one)
         self._rejoin_due = False  # the queue overflowed: re-join first (its unregisters are lost with it)
+        self._overflows = 0  # how often (a batch in flight across one is not put back: the re-join covers it)
         self._next_heartbeat = time.monotonic() + heartbeat_s
         self._retry_at = 0.0
         self._failing = False  # the last round failed to reach Redis (cleared by the next round that does)
@@ -92,7 +93,7 @@ class Registrar:
                 if len(self._queued) > MAX_QUEUED:  # a long outage under churn (mostly unregisters of chunks
                     self._queued.clear()  # stored and evicted meanwhile): re-join under a new incarnation once
                     self._rejoin_due = self._reregister = True  # Redis answers (the janitor purges the old
-                    # one's entries through its index) and register what is held then
+                    self._overflows += 1  # one's entries through its index) and register what is held then
                 self._cv.notify()
             return self._posted
 
@@ -148,7 +149,6 @@ class Registrar:
                     self._heartbeat()
                 if self._rejoin_due and not self.fenced:
                     self._rejoin()
-                    self._rejoin_due = False
                     self._count("registrar_queue_overflows")
                 if self._reregister:
                     self._register_all()
@@ -218,7 +218,9 @@ class Registrar:
             "KVNode %s re-joined the directory as incarnation %d", self.info.node_id[:8], self.lease.incarnation
         )
         self._event("resync", "directory_lost", f"incarnation {self.lease.incarnation}")
-        self._reregister = True
+        with self._cv:
+            self._reregister = True
+            self._rejoin_due = False  # (a heartbeat's resync re-joined: an overflow's is covered by it)
 
     def _register_all(self) -> None:
         """Register everything held under the current incarnation. What is queued now is covered by the snapshot
@@ -249,14 +251,15 @@ class Registrar:
             if not self._queued or self.fenced:
                 return
             batch, self._queued = self._queued, {}
-            seq = self._posted
+            seq, overflows = self._posted, self._overflows
             self._sending = True
         try:
             self._write(batch)
         except BaseException:
-            with self._cv:  # put it back; changes made meanwhile are newer and win
-                for change, tier in batch.items():
-                    self._queued.setdefault(change, tier)
+            with self._cv:  # put it back; changes made meanwhile are newer and win (unless the queue overflowed
+                if self._overflows == overflows:  # meanwhile: the re-join registers what is held then, and an
+                    for change, tier in batch.items():  # unregister put back would undo a newer register lost
+                        self._queued.setdefault(change, tier)  # with the queue)
             raise
         finally:
             with self._cv:
@@ -308,7 +311,10 @@ class Registrar:
             with self._cv:
                 batch.update({c: None for c in self._queued})
             self._write(batch)
-            self.directory.drop_own_index(self.lease)  # (every entry is gone; the node still holds the chunks)
+            if self._rejoin_due:  # the queue overflowed: entries of chunks evicted meanwhile may be left, and
+                self.directory.purge(self.lease.incarnation)  # only the own index knows them
+            else:
+                self.directory.drop_own_index(self.lease)  # (every entry is gone; the node still holds the chunks)
             self.directory.leave(self.lease)
         except redis.RedisError:
             pass

@@ -130,6 +130,7 @@ class Fetcher:
         sink.prepare([i for r, k in zip(runs, kinds) if k in ("tcp", "ray") or copy and k in PINNED for i in r.indices])
         transfers: list[sources.Transfer | None] = [None] * len(runs)
         begun = [t0] * len(runs)  # when each run was begun (windows begin as earlier ones are released)
+        issued = [t0] * len(runs)  # when its begin returned (an in-process holder pins inside it)
         waiting: dict[str, list[int]] = {}  # node -> its windows not begun yet, in order
         pinned = dict.fromkeys(budgets, 0)  # node -> chunks of its begun windows not released yet
 
@@ -142,6 +143,7 @@ class Fetcher:
                 transfers[j] = sources.begin(
                     env, r, k, sink, opts.chunk_bytes, opts.deadline, opts.group, opts.transport, copy
                 )
+            issued[j] = time.monotonic()
 
         def begin_windows() -> None:
             for node, queue in waiting.items():
@@ -160,18 +162,15 @@ class Fetcher:
                 else:
                     begin(j)
             begin_windows()
-            prev = t0
             for j, r in enumerate(runs):
                 t = transfers[j]
                 assert t is not None, "windows are begun in order, as the ones before them are released"
+                called = time.monotonic()
                 landed = t.complete(opts.deadline)
-                end = time.monotonic()
+                start, seconds = _timing(t, begun[j], issued[j], called, time.monotonic(), landed.error)
                 stats.append(
-                    RunStats(
-                        t.kind, _link(r), len(r.keys), landed.delivered, _own(t, begun[j], prev, end), landed.error
-                    )
+                    RunStats(t.kind, _link(r), len(r.keys), landed.delivered, seconds, landed.error, start - t0)
                 )
-                prev = end
                 delivered += landed.delivered
                 corrupt += landed.corrupt
                 device += landed.device
@@ -197,18 +196,23 @@ class Fetcher:
 PINNED = ("slab", "via")  # runs this node answers with pinned slab slots
 
 
-def _own(t, begun: float, prev: float, end: float) -> float:
-    """A run's own time, for its link's cost model. Runs overlap and are completed in order, so the time to its
-    completion includes waiting on the runs before it: a fast slab run behind a slow peer would be charged the
-    peer's time. A receiver that notes when its bytes were in (`ready_at`, TCP) gives its time from its begin;
-    others are charged from their begin or the previous run's completion, whichever is later (what the wait on
-    the previous runs hid of its work is not charged: a lower bound when they overlap)."""
+def _timing(t, begun: float, issued: float, called: float, end: float, error: str) -> tuple[float, float]:
+    """(start, seconds) of a run's own work, for its link's cost model. Runs overlap and are completed in order,
+    so the time to a run's completion includes waiting on the runs before it: a fast slab run behind a slow peer
+    would be charged the peer's time. Its own: from its begin (a TCP pull: from when a pool thread took it up) to
+    when its bytes were in (TCP: its thread's end; else the reply's arrival, then the copy `complete` did). A reply
+    that was in before `complete` asked came at the latest when it asked, at the earliest when `begin` returned
+    (an in-process holder answers inside it): the earliest is taken, the pin's time hidden behind earlier runs
+    is not charged. A run cut short by its deadline is charged all it waited."""
     if isinstance(t, sources.Failed):  # never went out (no holder address, or begun past the deadline)
-        return 0.0
-    ready = getattr(t, "ready_at", None)
-    if ready is not None:
-        return max(0.0, min(ready, end) - begun)
-    return max(0.0, end - max(begun, prev))
+        return begun, 0.0
+    if error == "deadline":
+        return begun, max(0.0, end - begun)
+    if t.ready_at is not None:
+        start = t.started_at if t.started_at is not None else begun
+        return start, max(0.0, min(t.ready_at, end) - start)
+    reply = t.reply_at if t.reply_at is not None else issued
+    return begun, max(0.0, reply - begun) + max(0.0, end - max(called, reply))
 
 
 def _link(run: Run) -> str:

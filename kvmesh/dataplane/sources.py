@@ -86,6 +86,11 @@ def _error_of(e: BaseException) -> str:
 
 class Transfer:
     kind = ""
+    # for the cost model (fetcher._timing): when the reply came, if `complete` waited for it (None: it was in
+    # before, or the transfer has no reply); TCP: when its pool thread began, and when it had received all
+    reply_at: float | None = None
+    started_at: float | None = None
+    ready_at: float | None = None
 
     def __init__(self, run: Run, sink) -> None:
         self.run, self.sink = run, sink
@@ -127,11 +132,14 @@ class PinnedTransfer(Transfer):
     def complete(self, deadline: float) -> Landed:
         env, run, sink, local = self.env, self.run, self.sink, self._local
         self._waited = True
+        was_in = self._pending.done()
         try:
             self._pinned = p = self._pending.result(deadline - time.monotonic())
         except (NodeCallError, TimeoutError, WireError) as e:
             self._waited = False  # the reply may still come: its pin is released when it does
             return Landed(0, _error_of(e))
+        if not was_in:
+            self.reply_at = time.monotonic()
         if env.slab is None or p.slab_path != env.slab.path:
             env.on_stale_slab()
             return Landed(0, "stale_slab")
@@ -219,9 +227,8 @@ class TcpTransfer(Transfer):
         self.env = env
         self._cancel = threading.Event()
         self._sums: list[int] = []
-        self.ready_at: float | None = None  # when the pool thread had received all it would (the cost model's)
         self._future: Future = env.pool.submit(
-            env.data.pull,
+            self._pull,
             address,
             list(run.keys),
             chunk_bytes,
@@ -232,6 +239,10 @@ class TcpTransfer(Transfer):
             self._cancel,
         )
         self._future.add_done_callback(self._ready)
+
+    def _pull(self, *args):
+        self.started_at = time.monotonic()  # (not when submitted: it may have waited for a pool thread)
+        return self.env.data.pull(*args)
 
     def _ready(self, _f: Future) -> None:
         self.ready_at = time.monotonic()
@@ -274,10 +285,13 @@ class RayTransfer(Transfer):
 
     def complete(self, deadline: float) -> Landed:
         run, cb = self.run, self._cb
+        was_in = self._pending.done()
         try:
             p = self._pending.result(deadline - time.monotonic())
         except (NodeCallError, TimeoutError, WireError) as e:
             return Landed(0, _error_of(e))
+        if not was_in:
+            self.reply_at = time.monotonic()
         off = 0
         for j, (nbytes, want) in enumerate(p.rows[: len(run.keys)]):
             if nbytes != cb or off + nbytes > p.data.size:

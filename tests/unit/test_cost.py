@@ -127,3 +127,13 @@ def test_a_runs_deadline_counts_as_a_slow_transfer_and_a_run_that_never_went_out
     runs = [RunStats("slab", "local", 6, 6, 0.003), RunStats("tcp", "peer", 4, 0, 2.0, "deadline"),
             RunStats("tcp", "peer", 2, 0, 0.0, "deadline"), RunStats("tcp", "peer-disk", 3, 0, 0.01, "not_held")]
     assert sorted(link_observations(runs, 100)) == [("local", 600, 0.003), ("peer", 400, 2.0)]
+
+
+def test_a_peers_batches_that_ran_at_once_count_as_the_span_they_took_not_their_sum():
+    """8 batches received at once on 8 threads, 0.3 s each: the link took 0.3 s for them all (summed, a healthy
+    peer read 8 times slower than it is, and the plan recomputed what it should load)."""
+    from kvmesh.match import RunStats, link_observations
+
+    runs = [RunStats("tcp", "peer:b", 4, 4, 0.3, "", 0.001 * i) for i in range(8)]
+    ((link, nbytes, seconds),) = link_observations(runs, 100)
+    assert (link, nbytes) == ("peer:b", 3200) and seconds == pytest.approx(0.307)

@@ -80,14 +80,14 @@ class Client:
     def fetch(self, match, out, deadline_s=None):
         for i, k in enumerate(match.keys):
             out[:, :, i * C:(i + 1) * C] = self.chunks[k]
-        self.last_fetch = NS(local_chunks=match.num_chunks, peer_chunks=0, seconds=0.0, error="")
+        self.last_fetch = NS(local_chunks=match.num_chunks, peer_chunks=0, seconds=0.0, error="", runs=())
         return out[:, :, :match.num_chunks * C]
 
     def fetch_to_device(self, match, device, deadline_s=None):
         from kvmesh.movers import to_device
 
         srcs = [self.chunks[k].contiguous().view(-1).view(torch.uint8).pin_memory() for k in match.keys]
-        self.last_fetch = NS(local_chunks=match.num_chunks, peer_chunks=0, seconds=0.0, error="")
+        self.last_fetch = NS(local_chunks=match.num_chunks, peer_chunks=0, seconds=0.0, error="", runs=())
         return to_device(srcs, SPEC, device, min_copy_bytes=0), match.num_chunks
 
     def flush(self, timeout_s=None):

@@ -121,6 +121,17 @@ def linear_prefill(tokens_per_s: float) -> PrefillModel:
     return m
 
 
+def _queue_s(cost: CostModel, load: ReportedLoad) -> float:
+    """Seconds of prefill queued on a candidate: its `queue_depth` requests, each of an even share of its pending
+    tokens, prefilled one after another. (One prefill of all the tokens at once would price their attention as if
+    each attended to all the others: with a measured quadratic term, many times the queue's real work.)"""
+    n, tokens = max(1, load.queue_depth), load.pending_prefill_tokens
+    if tokens <= 0:
+        return 0.0
+    n = min(n, tokens)
+    return n * (cost.prefill.seconds(-(-tokens // n), 0) or 0.0)
+
+
 def _link(holder: Holder, node_id: str) -> str:
     where = "local" if holder.node_id == node_id else "peer"
     return f"{where}-disk" if holder.tier == TIER_DISK else where
@@ -203,7 +214,7 @@ def estimate(
             )
             why = "recompute"
         assert prefill_s is not None  # (the cost model has a prefill estimate)
-        wait = (cost.prefill.seconds(load.pending_prefill_tokens, 0) or 0.0) if load else 0.0
+        wait = _queue_s(cost, load) if load else 0.0
         if queued_s:
             wait = max(wait, float(queued_s.get(c.replica_id or c.node_id, 0.0)))
         out.append(

@@ -144,3 +144,19 @@ def test_the_callers_own_queued_work_is_queue_wait_when_longer_than_the_report()
     loads = [LoadRecord("ra", A, 3000, 2, now)]
     est = estimate(reps, holders, n, CT, CB, loads, now, 5000, cost(1000.0), queued_s={"ra": 2.0})
     assert est[1].queue_wait_s == pytest.approx(3.0)
+
+
+def test_a_queue_of_many_requests_is_priced_as_their_prefills_not_as_one_of_all_their_tokens():
+    """With attention's quadratic term, one prefill of a queue's 40k tokens costs several times ten of 4k: a
+    replica with ten queued requests read as far busier than it is."""
+    from kvmesh.cost import CostModel
+    from kvmesh.routing import ReportedLoad, _queue_s
+
+    cm = CostModel()
+    truth = lambda n: 1e-3 + 1e-4 * n + 1e-8 * n * n / 2  # noqa: E731
+    for n in (512, 2048, 8192, 32768):
+        cm.prefill.observe(n, 0, truth(n))
+    ten = _queue_s(cm, ReportedLoad(40_000, 10, 0.0, 1))
+    assert ten == pytest.approx(10 * truth(4_000), rel=0.05) and ten < 0.8 * truth(40_000)
+    assert _queue_s(cm, ReportedLoad(0, 3, 0.0, 1)) == 0.0
+    assert _queue_s(cm, ReportedLoad(5_000, 0, 0.0, 1)) == pytest.approx(truth(5_000), rel=0.05)  # (depth unknown)

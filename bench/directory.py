@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from bench.common import median_time, save  # noqa: E402
+from kvmesh import dirscripts  # noqa: E402
 from kvmesh.directory import FIELD_BYTES as FIELD  # noqa: E402
 from kvmesh.directory import Directory, pack_hmget  # noqa: E402
 from kvmesh.local import RedisServer, redis_server_binary  # noqa: E402
@@ -308,6 +309,14 @@ def hash_figures(repeat: int) -> dict:
 
 
 # -- the node keys at 1,000 nodes --------------------------------------------------------------------------------------
+def _rows(r, key: str) -> list[tuple[bytes, bytes]]:
+    """A node key's (field, value) pairs: the incarnations and infos are hashes, the leases a sorted set by
+    deadline (issue 17), whose score is its value."""
+    if r.type(key) == b"zset":
+        return [(m, str(int(score)).encode()) for m, score in r.zrange(key, 0, -1, withscores=True)]
+    return list(r.hgetall(key).items())
+
+
 def node_figures(binary: str, nodes: int, repeat: int, clients: int) -> dict:
     with RedisServer(binary=binary) as server:
         d = Directory(server.url, PREFIX)
@@ -316,7 +325,7 @@ def node_figures(binary: str, nodes: int, repeat: int, clients: int) -> dict:
         assert len(table.live) == nodes
         r = server.connect()
         keys = [d._k_epoch, d._k_inc, d._k_deadline, d._k_info]
-        payload = sum(len(f) + len(v) for k in keys[1:] for f, v in r.hgetall(k).items())  # what a read returns
+        payload = sum(len(f) + len(v) for k in keys[1:] for f, v in _rows(r, k))  # what a whole read returns
         table_s = median_time(d.node_table, max(20, repeat // 20))
         out = {"nodes": nodes, "node_table_client_ms": table_s * 1e3, "node_table_payload_bytes": payload,
                "node_keys_memory_bytes": sum(r.memory_usage(k, samples=0) or 0 for k in keys[1:])}
@@ -324,18 +333,21 @@ def node_figures(binary: str, nodes: int, repeat: int, clients: int) -> dict:
             d.heartbeat(leases[0], 5000)  # (loads the script)
             lease = leases[nodes // 2]
             out["heartbeats_per_s"] = redis_benchmark(server.port, [
-                "EVALSHA", d._heartbeat.sha, "3", d._k_epoch, d._k_inc, d._k_deadline, lease.node_id,
+                "EVALSHA", d._heartbeat.sha, "4", d._k_epoch, d._k_inc, d._k_deadline, d._k_clock, lease.node_id,
                 str(lease.incarnation), lease.epoch.decode(), "5000"], 100_000, clients)
+            # the node table as clients read it since issue 17 (the same script, sent whole with EVAL on a server
+            # that reads script flags): whole (membership moved, or a new reader), and gated (nothing moved: only
+            # the leases that lapse within the horizon come back)
+            table = dirscripts.no_writes(dirscripts.NODE_TABLE) if d._server_major() >= 7 else dirscripts.NODE_TABLE
+            tkeys = [d._k_epoch, d._k_inc, d._k_deadline, d._k_info, d._k_ver]
+            d.node_table()
+            horizon = str(d.table_horizon_ms)
             out["node_table_reads_per_s"] = redis_benchmark(server.port, [
-                "EVALSHA", d._node_table.sha, "4", *keys], 2_000, clients)
+                "EVAL", table, "5", *tkeys, "", "", horizon], 2_000, clients)
+            out["node_table_gated_reads_per_s"] = redis_benchmark(server.port, [
+                "EVAL", table, "5", *tkeys, d._table_ver.decode(), d._table_epoch.decode(), horizon], 100_000,
+                clients)
             assert d.heartbeat(lease, 5000) == "ok"
-            # not kvmesh today, a proposal (docs/scale.md): deadlines also in a sorted set, so that a client's
-            # refresh asks only "which leases have lapsed" (usually none) and re-reads the node table only when a
-            # generation counter moves (joins and leaves, not heartbeats)
-            now_ms = int(time.time() * 1000)
-            r.zadd(f"{PREFIX}:{{n}}:bydeadline", {lz.node_id: now_ms + 60_000 for lz in leases})
-            out["proposed_lapsed_reads_per_s"] = redis_benchmark(server.port, [
-                "ZRANGEBYSCORE", f"{PREFIX}:{{n}}:bydeadline", "-inf", str(now_ms)], 100_000, clients)
             out["get_per_s"] = redis_benchmark(server.port, ["GET", f"{PREFIX}:{{n}}:epoch"], 100_000, clients)
         r.close()
         d.close()

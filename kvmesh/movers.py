@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmesh.cudart import side_stream
 from kvmesh.spec import KVSpec
 
 MiB = 1 << 20
@@ -134,7 +135,7 @@ def to_host(chunks: torch.Tensor, host_dsts: Sequence, stream: torch.cuda.Stream
             _as_bytes(host_dsts[i]).copy_(flat[i])
         return None
     if stream is None:
-        stream = torch.cuda.Stream(device=chunks.device)
+        stream = side_stream(chunks.device)
         stream.wait_stream(torch.cuda.current_stream(chunks.device))
     with torch.cuda.stream(stream):
         for i in range(n):
@@ -225,9 +226,9 @@ def _store_batches(layers, block_table, host_dsts, batch_chunks, stream):
     rows (`cudaMemcpy2DAsync`) into its host slot."""
     n = block_table.shape[0]
     device = layers[0].device
-    stream = stream or torch.cuda.Stream(device=device)
+    stream = stream or side_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    copy_stream = torch.cuda.Stream(device=device)
+    copy_stream = side_stream(device)
     bs, h, d = _layer_shape(layers)
     pages = block_table.shape[1]
     per_batch = min(batch_chunks, n)
@@ -279,8 +280,8 @@ def _load_batches(host_srcs, spec, layers, block_table, batch_chunks, stream):
     """load_paged on CUDA, one batch per step: yields each batch's completion event once it is enqueued."""
     n = block_table.shape[0]
     device = layers[0].device
-    copy_stream = stream or torch.cuda.Stream(device=device)
-    scatter_stream = torch.cuda.Stream(device=device)
+    copy_stream = stream or side_stream(device)
+    scatter_stream = side_stream(device)
     for st in (copy_stream, scatter_stream):
         st.wait_stream(torch.cuda.current_stream(device))
     shape = (min(batch_chunks, n), *spec.chunk_shape)
@@ -340,7 +341,7 @@ class LayerwiseLoad:
             for layer in range(self.num_layers):
                 fn(layer, self.staging[:, layer])
             return self
-        consumer = torch.cuda.Stream(device=self.staging.device)
+        consumer = side_stream(self.staging.device)
         consumer.wait_stream(torch.cuda.current_stream(self.staging.device))
         self.staging.record_stream(consumer)
         with torch.cuda.stream(consumer):
@@ -457,7 +458,7 @@ def to_device(
             runs = None
     per_copy = min_copy_bytes if runs is None else max(1, min_copy_bytes * len(runs) // n)
     groups = layer_groups(spec, per_copy)
-    stream = stream or torch.cuda.Stream(device=device)
+    stream = stream or side_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))  # staging may have been allocated on the compute stream
     staging.record_stream(stream)
     events: list[torch.cuda.Event | None] = [None] * spec.num_layers

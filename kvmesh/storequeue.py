@@ -33,6 +33,7 @@ from collections import Counter
 import numpy as np
 import torch
 
+from kvmesh.cudart import side_stream
 from kvmesh.handle import NodeCallError, Pending
 from kvmesh.spec import KVSpec
 from kvmesh.tiers import checksum
@@ -89,7 +90,7 @@ class StoreQueue:
     def _side(self, device: torch.device):
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
+            stream = self._streams[device] = side_stream(device)
         return stream
 
     @staticmethod

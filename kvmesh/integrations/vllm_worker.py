@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvmesh.cudart import side_stream
 from kvmesh.integrations.vllm_loader import WAIT_SLACK_S, Load, Loader, SyncBatch
 from kvmesh.integrations.vllm_meta import SaveJob, StepMeta, WorkerReport
 from kvmesh.paged import HeadMajorCodec, LearnedCodec, SplitKVCodec, gather_chunks, learn_codec
@@ -411,7 +412,7 @@ class WorkerSide:
         if staging is None:
             try:
                 if event is not None:
-                    stream = torch.cuda.Stream(device=self.layers[0].device)
+                    stream = side_stream(self.layers[0].device)
                     with torch.cuda.stream(stream):
                         stream.wait_event(event)
                         staging = self._gather(job).to("cpu")

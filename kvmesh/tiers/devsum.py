@@ -50,6 +50,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvmesh.cudart import side_stream
+
 _MUL, _ADD = 0x9E3779B1, 0x632BE5AB
 
 
@@ -173,7 +175,7 @@ def verify_on_side_stream(
     if not dsts or not dsts[0].is_cuda:
         return Verify(device_checksums(dsts, coefficients), expected)
     device = dsts[0].device
-    stream = torch.cuda.Stream(device=device)
+    stream = side_stream(device)
     if after is not None:
         stream.wait_event(after)
     else:
@@ -222,7 +224,7 @@ def verify_rows_by_layer(
             groups[-1] = (groups[-1][0], layer + 1, ev)
         else:
             groups.append((layer, layer + 1, ev))
-    stream = torch.cuda.Stream(device=device)  # (each group's event is after everything the copies waited for)
+    stream = side_stream(device)  # (each group's event is after everything the copies waited for)
     with torch.cuda.stream(stream):
         c = coefficients.get(flat.shape[1] // 4, device)
         acc = torch.zeros(hi - lo, dtype=torch.int64, device=device)

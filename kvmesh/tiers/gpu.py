@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvmesh.cudart import side_stream
 from kvmesh.tiers import TIER_GPU, checksum
 from kvmesh.tiers.devsum import Coefficients, device_checksum
 from kvmesh.tiers.slots import SlotPool, StoreTicket
@@ -108,7 +109,7 @@ class GpuTier(SlotPool):
     def _side(self, dev: torch.device):
         s = self._streams.get(dev)
         if s is None:
-            s = self._streams[dev] = torch.cuda.Stream(device=dev)
+            s = self._streams[dev] = side_stream(dev)
         return s
 
     def _place_sum(self, slot: int) -> None:

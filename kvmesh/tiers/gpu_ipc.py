@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
-from kvmesh.cudart import CudaError, Cudart, IpcHandle
+from kvmesh.cudart import CudaError, Cudart, IpcHandle, side_stream
 from kvmesh.cudart import cudart as _cudart
 from kvmesh.tiers.devsum import Coefficients, Verify, device_checksums, verify_on_side_stream
 
@@ -358,7 +358,7 @@ def _copy_all(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], peer: 
     on the destination side, path name, the stream used)."""
     s_dev, d_dev = srcs[0].device, dsts[0].device
     direct = _can_peer(d_dev, s_dev) if peer is None else peer
-    stream = stream or torch.cuda.Stream(device=d_dev)
+    stream = stream or side_stream(d_dev)
     stream.wait_stream(torch.cuda.current_stream(d_dev))
     if direct:
         if s_dev != d_dev:  # the source side's queued work (e.g. the KVNode's writes are its own; an engine's
@@ -373,7 +373,7 @@ def _copy_all(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], peer: 
             done = torch.cuda.Event()
             done.record(stream)
         return done, ("d2d" if s_dev == d_dev else "p2p"), stream
-    s_stream = torch.cuda.Stream(device=s_dev)
+    s_stream = side_stream(s_dev)
     s_stream.wait_stream(torch.cuda.current_stream(s_dev))
     bounce = _Bounce(max(s.numel() for s in srcs))  # (srcs is not empty: the loop sets done)
     for j, (s, d) in enumerate(zip(srcs, dsts)):
@@ -485,7 +485,7 @@ def write_chunks(
         return DeviceWrite(None, device_checksums(list(dsts), coefficients), "cpu")
     done, path, stream = _copy_all(srcs, dsts, peer, stream)
     dev = dsts[0].device
-    side = torch.cuda.Stream(device=dev)
+    side = side_stream(dev)
     side.wait_event(done)
     with torch.cuda.stream(side):
         sums = device_checksums(list(dsts), coefficients)

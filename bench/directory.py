@@ -333,8 +333,8 @@ def node_figures(binary: str, nodes: int, repeat: int, clients: int) -> dict:
             d.heartbeat(leases[0], 5000)  # (loads the script)
             lease = leases[nodes // 2]
             out["heartbeats_per_s"] = redis_benchmark(server.port, [
-                "EVALSHA", d._heartbeat.sha, "4", d._k_epoch, d._k_inc, d._k_deadline, d._k_clock, lease.node_id,
-                str(lease.incarnation), lease.epoch.decode(), "5000"], 100_000, clients)
+                "EVALSHA", d._heartbeat.sha, "5", d._k_epoch, d._k_inc, d._k_deadline, d._k_clock, d._k_info,
+                lease.node_id, str(lease.incarnation), lease.epoch.decode(), "5000", ""], 100_000, clients)
             # the node table as clients read it since issue 17 (the same script, sent whole with EVAL on a server
             # that reads script flags): whole (membership moved, or a new reader), and gated (nothing moved: only
             # the leases that lapse within the horizon come back)

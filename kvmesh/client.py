@@ -42,7 +42,7 @@ import redis
 import torch
 
 from kvmesh import routing
-from kvmesh.config import KVMeshConfig
+from kvmesh.config import KVMeshConfig, redact_url
 from kvmesh.cost import CostModel, LinkModel, LoadPlan, measure_memcpy_bps
 from kvmesh.dataplane.fetcher import Fetcher, FetchOptions
 from kvmesh.dataplane.gpureads import GpuReads
@@ -125,6 +125,7 @@ class KVMeshClient:
         self._peer_incs: dict[str, int] = {}  # node id -> its incarnation when its handle was looked up
         self._slab = SlabReader.open(*local_slab[:2]) if local_slab else None
         self._slab_path = local_slab[0] if local_slab else ""
+        self._reattach_lock = threading.Lock()  # a fetch's stale slab and the refresher may both find the restart
         self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kvmesh-pull")
         self._verify_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-verify")
         self._data = DataClient()
@@ -561,6 +562,10 @@ class KVMeshClient:
         """The local KVNode restarted or was replaced (a new slab): attach to it again and map its new slab."""
         if stale:
             self.counts["fetch_stale_slab"] += 1
+        with self._reattach_lock:  # (once: two at once mapped the new slab twice and closed the old one twice)
+            self._reattach_local_once()
+
+    def _reattach_local_once(self) -> None:
         try:
             hello = self._local.hello(timeout=5)
         except Exception:  # the actor is gone: a new one may run under the same name
@@ -805,6 +810,19 @@ def _resolve(
     return cfg
 
 
+def _check_directory(cfg: KVMeshConfig, node_cfg: KVMeshConfig) -> None:
+    """A client attached to a node must use the node's directory: the node registers what the client stores, and
+    lookups under another URL or key prefix would never find it (a silent 0 % hit rate)."""
+    from kvmesh.redisconn import same_directory
+
+    if cfg.key_prefix != node_cfg.key_prefix or not same_directory(cfg.redis_url, node_cfg.redis_url):
+        raise ValueError(
+            f"this client's directory ({redact_url(cfg.redis_url)}, key_prefix {cfg.key_prefix!r}) is not the "
+            f"one its KVNode registers in ({redact_url(node_cfg.redis_url)}, key_prefix {node_cfg.key_prefix!r}): "
+            "what it stores would never be found; leave redis_url and key_prefix out"
+        )
+
+
 def connect(
     spec: KVSpec,
     redis_url: str | None = None,
@@ -857,6 +875,8 @@ def connect(
     )
     # the one time a directory failure raises: a wrong URL would otherwise read as a miss on every lookup, forever
     probe(cfg.redis_url, cfg.lease_s)
+    if hello is not None:  # (after the probe: a directory that cannot be used is said as such first)
+        _check_directory(cfg, hello.config)
     slab = (hello.info.slab_path, hello.info.slab_bytes, hello.info.slot_bytes) if hello else None
     return KVMeshClient(
         spec,
@@ -878,6 +898,7 @@ def connect_local(
     if not isinstance(spec, KVSpec):
         raise TypeError(f"spec must be a kvmesh.KVSpec, got {type(spec).__name__}")
     cfg = _resolve(spec, node.config, None, None, options, node.info.slot_bytes)
+    _check_directory(cfg, node.config)
     local = LocalHandle(node, node.node_id)
     others = {p.node_id: LocalHandle(p, node.node_id) for p in peers}
     info = node.info

@@ -9,6 +9,7 @@ Unknown keys, in the file or as KVMESH_ variables, are errors that name the key 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -130,8 +131,10 @@ class KVMeshConfig:
                 f"KVMeshConfig.handoff_max_bytes must be a non-negative integer, got {self.handoff_max_bytes!r}"
             )
         v = self.last_copy_window_s
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise ValueError(f"KVMeshConfig.last_copy_window_s must be a non-negative number, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_DURATION_S:
+            raise ValueError(
+                f"KVMeshConfig.last_copy_window_s must be a number of seconds in [0, {MAX_DURATION_S:g}], got {v!r}"
+            )
         if self.cpu_bytes < self.slot_bytes:
             raise ValueError(
                 f"KVMeshConfig.cpu_bytes ({self.cpu_bytes}) must hold at least one slot "
@@ -147,8 +150,10 @@ class KVMeshConfig:
             "replicate_window_s",
         ):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ValueError(f"KVMeshConfig.{name} must be a positive number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_DURATION_S:
+                raise ValueError(
+                    f"KVMeshConfig.{name} must be a number of seconds in (0, {MAX_DURATION_S:g}], got {v!r}"
+                )  # (nan and inf too: no wait, socket timeout or lease in milliseconds takes them)
         if self.heartbeat_s * 2 > self.lease_s:
             raise ValueError(
                 f"KVMeshConfig.heartbeat_s ({self.heartbeat_s}) must be at most half of lease_s ({self.lease_s})"
@@ -176,6 +181,18 @@ class KVMeshConfig:
         return dataclasses.asdict(self)
 
     @classmethod
+    def from_dict(cls, options: Mapping) -> KVMeshConfig:
+        """A config another process sent (`to_dict`): options this release does not know (a node of a later
+        release has more) are left out, with their names logged once."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown and tuple(unknown) not in _dropped:
+            _dropped.add(tuple(unknown))
+            log = logging.getLogger("kvmesh")
+            log.warning("kvmesh: options of a later release left out here: %s", ", ".join(unknown))
+        return cls(**{k: v for k, v in options.items() if k in known})
+
+    @classmethod
     def load(cls, path: str | None = None, env: Mapping[str, str] | None = None, **overrides) -> KVMeshConfig:
         env = os.environ if env is None else env
         fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -196,6 +213,8 @@ class KVMeshConfig:
             for k, v in data.items():
                 if k not in fields:
                     raise ValueError(f"kvmesh config {path}: unknown option {k!r} (known: {', '.join(sorted(fields))})")
+                if v is None:  # `option:` with nothing after it (YAML's null), not the string "None"
+                    raise ValueError(f"kvmesh config {path}: option {k!r} has no value (leave it out for its default)")
                 values[k] = _convert(k, v, fields[k].type, f"{path}: {k}")
         for name, raw in env.items():
             if not name.startswith("KVMESH_") or name in _NOT_OPTIONS:
@@ -213,6 +232,9 @@ class KVMeshConfig:
         except TypeError as e:
             raise ValueError(str(e)) from None
 
+
+MAX_DURATION_S = 86400.0  # a duration option longer than a day is a mistake (and waits overflow near 1e10 s)
+_dropped: set[tuple[str, ...]] = set()  # unknown option names already logged by from_dict
 
 # kvmesh's own environment variables that are not options (so that KVMESH_* typos are still caught)
 _NOT_OPTIONS = {
@@ -256,7 +278,7 @@ def _convert(name: str, value, typ, where: str):
     # `typ`: a dataclass field's type, which `from __future__ import annotations` keeps as its string
     try:
         if typ == "int":
-            return parse_size(value) if name.endswith("_bytes") else int(value)
+            return parse_size(value) if name.endswith(("_bytes", "_bytes_per_s")) else int(value)
         if typ == "float":
             return float(value)
         if typ == "bool":

@@ -37,7 +37,7 @@ loses its epoch too: nodes see that on their next heartbeat and re-join (new inc
 
 Primitives:
     join(node_id, info, lease_ms) -> Lease           mutates: new incarnation, epoch created if missing
-    heartbeat(lease, lease_ms) -> "ok"|"resync"|"fenced"   mutates: extends the lease when "ok"
+    heartbeat(lease, lease_ms[, info]) -> "ok"|"resync"|"fenced"   mutates: extends the lease when "ok"
     leave(lease)                                     mutates: removes the node if still this incarnation
     register(lease, tier, group, hashes) -> refused  mutates: adds/updates this incarnation's entries (not in an
                                                      entry that lists MAX_HOLDERS others: those hashes are returned)
@@ -65,6 +65,7 @@ The scripts behind the mutating primitives and `node_table` are in `kvmesh.dirsc
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import struct
 import threading
@@ -80,7 +81,9 @@ from kvmesh import dirscripts
 from kvmesh.redisconn import DirectoryUnavailable as DirectoryUnavailable  # re-exported: kvmesh.DirectoryUnavailable
 from kvmesh.redisconn import connect
 from kvmesh.redisconn import probe as probe  # re-exported
-from kvmesh.wire import NodeInfo
+from kvmesh.wire import NodeInfo, WireError
+
+log = logging.getLogger("kvmesh.directory")
 
 HOLDERS_VERSION = 2  # the value's first byte
 _HOLDER = struct.Struct("<IB")  # incarnation, tier
@@ -137,6 +140,9 @@ class NodeTable:
     deadlines: dict[int, int]  # incarnation -> lease deadline (ms, Redis clock) of the live ones
     dead_incarnations: dict[str, int] | None = None  # node id -> the lapsed incarnation, for the janitor's purge
     read_ms: int = 0  # when it was read from Redis (Redis's clock; 0: at now_ms): a relayed table is older
+    # node id -> incarnation of a node whose record this reader cannot read (a later release's format): neither live
+    # (its chunks are not read from here) nor dead (never purged from here), and no reason to read the table again
+    unreadable: dict[str, int] | None = None
 
     def by_node(self) -> dict[str, NodeInfo]:
         return {info.node_id: info for info in self.live.values()}
@@ -144,7 +150,7 @@ class NodeTable:
     def newest(self) -> int:
         """The newest incarnation this table knows (incarnations only grow: an entry naming a newer one was written
         by a node that joined after this table was read)."""
-        return max([*self.live, *(self.dead_incarnations or {}).values()], default=0)
+        return max([*self.live, *(self.dead_incarnations or {}).values(), *(self.unreadable or {}).values()], default=0)
 
 
 FIELD_BYTES = 6
@@ -186,6 +192,7 @@ class Directory:
         self._table_lock = threading.Lock()
         self._table_ver, self._table_epoch = b"", b""
         self._rows: dict[bytes, tuple[int, bytes | None]] = {}
+        self._unreadable_seen: set[tuple[bytes, int]] = set()  # (node, incarnation) records logged as unreadable
         # node_table: leases further off than this are read only on a membership change; it must exceed how long a
         # reader goes between reads (horizon_for)
         self.table_horizon_ms = 3000
@@ -234,10 +241,13 @@ class Directory:
         )
         return Lease(info.node_id, int(inc), epoch, int(prev))
 
-    def heartbeat(self, lease: Lease, lease_ms: int) -> str:
+    def heartbeat(self, lease: Lease, lease_ms: int, info: NodeInfo | None = None) -> str:
+        """ "ok", "resync" (the directory lost this incarnation: join again) or "fenced" (another process of the
+        node joined since). `info`: this process's record, which tells a newer incarnation of its own (a join
+        whose reply was lost) from another process's."""
         r = self._heartbeat(
-            keys=[self._k_epoch, self._k_inc, self._k_deadline, self._k_clock],
-            args=[lease.node_id, lease.incarnation, lease.epoch, lease_ms],
+            keys=[self._k_epoch, self._k_inc, self._k_deadline, self._k_clock, self._k_info],
+            args=[lease.node_id, lease.incarnation, lease.epoch, lease_ms, info.pack() if info is not None else b""],
         )
         return r.decode() if isinstance(r, bytes) else str(r)
 
@@ -299,16 +309,23 @@ class Directory:
         else:
             horizon = now_ms + self.table_horizon_ms
             deadlines = {node: deadlines.get(node, horizon) for node in rows}
-        live, dead, until = {}, {}, {}
+        live, dead, until, unreadable = {}, {}, {}, {}
         for node, (inc, raw) in rows.items():
             deadline = deadlines.get(node, 0)
             if deadline <= now_ms or not raw:
                 dead[node.decode()] = inc
                 continue
-            info = NodeInfo.unpack(raw, incarnation=inc)
+            try:
+                info = NodeInfo.unpack(raw, incarnation=inc)
+            except WireError as e:  # one node of another release must not take every reader's table down
+                unreadable[node.decode()] = inc
+                if (node, inc) not in self._unreadable_seen:
+                    self._unreadable_seen.add((node, inc))
+                    log.warning("kvmesh: node %s's record is unreadable here (%s): its chunks are not read", node, e)
+                continue
             live[info.incarnation] = info
             until[info.incarnation] = deadline
-        return NodeTable(epoch_now or None, now_ms, live, tuple(dead), until, dead)
+        return NodeTable(epoch_now or None, now_ms, live, tuple(dead), until, dead, unreadable=unreadable or None)
 
     # -- holders ------------------------------------------------------------------------------------------------
     def own_key(self, incarnation: int) -> str:

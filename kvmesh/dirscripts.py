@@ -121,7 +121,11 @@ if redis.call('GET', KEYS[1]) ~= ARGV[3] then return 'resync' end
 local cur = redis.call('HGET', KEYS[2], ARGV[1])
 if not cur then return 'resync' end
 if cur ~= ARGV[2] then
-  if tonumber(cur) > tonumber(ARGV[2]) then return 'fenced' end
+  if tonumber(cur) > tonumber(ARGV[2]) then
+    -- a newer incarnation whose record is this very process's: its own JOIN ran, its reply was lost (a timeout)
+    if (ARGV[5] or '') ~= '' and redis.call('HGET', KEYS[5], ARGV[1]) == ARGV[5] then return 'resync' end
+    return 'fenced'  -- another process of this node joined since
+  end
   return 'resync'  -- an older one: the directory went back in time (a snapshot restored), not a newer process
 end
 redis.call('ZADD', KEYS[3], now_ms(KEYS[3], KEYS[4]) + tonumber(ARGV[4]), ARGV[1])

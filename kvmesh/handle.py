@@ -98,7 +98,7 @@ class NodeHello:
         o = msgpack.unpackb(data, raw=False)
         _v, info, inc, cfg = o[:4]
         exports = tuple(e for e in o[4] if isinstance(e, bytes)) if len(o) > 4 and isinstance(o[4], list) else ()
-        return cls(NodeInfo.unpack(info, inc), KVMeshConfig(**cfg), exports)
+        return cls(NodeInfo.unpack(info, inc), KVMeshConfig.from_dict(cfg), exports)
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,7 +380,7 @@ class KVNodeActor:
         wait = 0.5
         while True:
             try:
-                self.node = KVNode(config, node_id, actor_name, host)
+                self.node = KVNode(config, node_id, actor_name, host, disk_required=not _restarted())
                 return
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 # Ray restarting this actor (its process died) while the directory is away: a creation that fails

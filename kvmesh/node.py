@@ -66,7 +66,8 @@ from kvmesh.wire import GpuReserved, NodeInfo, PinnedChunk, StoreItem, WireError
 from kvmesh.wire import PullThrough as PullRequest
 
 log = logging.getLogger("kvmesh.node")
-_SLAB_RE = re.compile(r"^kvmesh-(?P<node>[0-9a-f]+)-(?P<pid>\d+)-[0-9a-f]+(\.nodes)?$")  # and its table relay
+# a slab, its table relay, and the relay's temp file (`TableFile.write`: a node killed mid-write leaves it)
+_SLAB_RE = re.compile(r"^kvmesh-(?P<node>[0-9a-f]+)-(?P<pid>\d+)-[0-9a-f]+(\.nodes(\.\d+\.\d+)?)?$")
 PIN_WAIT_S = 1.0  # a pin waits at most this long for chunks it cannot bring into the slab this moment
 WRITEBACK_WAIT_S = 2.0  # a store waits at most this long, in all, for write-back buffers (then evictions drop)
 REGISTER_WAIT_S = 3.0  # a store returns once its chunks are registered, or after this (they stay queued)
@@ -105,15 +106,24 @@ def fit_slots(num_slots: int, slot_bytes: int, free_bytes: int) -> int:
 
 class KVNode:
     def __init__(
-        self, config: KVMeshConfig | dict, node_id: str, actor_name: str = "", host: str = "127.0.0.1"
+        self,
+        config: KVMeshConfig | dict,
+        node_id: str,
+        actor_name: str = "",
+        host: str = "127.0.0.1",
+        disk_required: bool = True,
     ) -> None:
-        self.config = config if isinstance(config, KVMeshConfig) else KVMeshConfig(**config)
+        """`disk_required=False` (a restart): a disk tier that cannot be used now is left out, not an error."""
+        self._disk_required = disk_required
+        self.config = config if isinstance(config, KVMeshConfig) else KVMeshConfig.from_dict(config)
         self.node_id = node_id
         self.stats_counts: Counter[str] = Counter()
         self.lock = threading.Lock()  # guards the cascade (tiers), the pins and the stats
         # pin id -> (slab slots, GPU-tier slots, monotonic deadline)
         self._pins: dict[int, tuple[list[int], list[int], float]] = {}
-        self._pin_ids = itertools.count(1)
+        # from a random start: an unpin a client meant for this node's previous process (Ray restarted it under the
+        # same handle) must not release a pin of this one
+        self._pin_ids = itertools.count(secrets.randbits(48) + 1)
         cfg = self.config
         os.makedirs(cfg.shm_dir, exist_ok=True)
         remove_stale_slabs(cfg.shm_dir)
@@ -130,21 +140,9 @@ class KVNode:
                 num_slots,
             )
         self.tier = CpuTier(path, num_slots, cfg.slot_bytes)  # the slab every reader maps
-        disk = None
-        if cfg.disk_bytes:
-            from kvmesh.tiers.disk import DiskTier, claim_directory
-
-            disk_path, lock_fd = claim_directory(cfg.disk_dir, node_id)  # not named by the node id: see there
-            disk = DiskTier(
-                disk_path,
-                cfg.disk_bytes // cfg.slot_bytes,
-                cfg.slot_bytes,
-                direct_io=cfg.disk_direct_io,
-                lock_fd=lock_fd,
-            )
+        disk, recovered = self._disk_tier() if cfg.disk_bytes else (None, [])
         self.cascade = Cascade(self.tier, self._gpu_tier(), disk, cfg.write_policy)
         self._io: queue.SimpleQueue = queue.SimpleQueue()  # disk writes and the start-up verification (I/O threads)
-        recovered = disk.recover() if disk is not None else []
         if disk is not None and recovered:  # readable at once (every disk read is verified); registered once
             # verified below
             disk.adopt([(r.slot, r.key, r.group, r.nbytes, r.checksum) for r in recovered])
@@ -236,14 +234,15 @@ class KVNode:
         self._last_published: dict = {}
         self._stop = threading.Event()
         self._closed = False
+        self._devsum_busy = 0  # chunks the device-checksum thread is working on now (under the lock)
+        self._io_threads: list[threading.Thread] = []
+        # (every field the threads read is set above: the maintenance thread's first stats() may run at once)
         self._thread = threading.Thread(target=self._maintain, name="kvmesh-node-maintenance", daemon=True)
         self._thread.start()
-        self._devsum_busy = 0  # chunks the device-checksum thread is working on now (under the lock)
         self._devsum_thread = threading.Thread(target=self._devsum_loop, name="kvmesh-node-devsum", daemon=True)
         self._devsum_thread.start()
         self._table_thread = threading.Thread(target=self._table_loop, name="kvmesh-node-table", daemon=True)
         self._table_thread.start()
-        self._io_threads = []
         if disk is not None:
             for i in range(cfg.io_threads):
                 t = threading.Thread(target=self._io_loop, name=f"kvmesh-node-io-{i}", daemon=True)
@@ -258,6 +257,35 @@ class KVNode:
             path,
         )
 
+    def _disk_tier(self):
+        """The disk tier and the chunks it recovered. Where its directory cannot be used (a disk that went
+        read-only or full, a directory without permission) a first start fails, said in one line; a restart
+        (`disk_required=False`) leaves the tier out and says so (`disk_unavailable`): Ray does not retry a restarted
+        actor whose creation fails, and the node would lose its other tiers with it, for good."""
+        from kvmesh.tiers.disk import DiskTier, claim_directory
+
+        cfg, disk, lock_fd = self.config, None, None
+        try:
+            disk_path, lock_fd = claim_directory(cfg.disk_dir, self.node_id)  # not named by the node id: see there
+            disk = DiskTier(
+                disk_path,
+                cfg.disk_bytes // cfg.slot_bytes,
+                cfg.slot_bytes,
+                direct_io=cfg.disk_direct_io,
+                lock_fd=lock_fd,
+            )
+            return disk, disk.recover()
+        except OSError as e:
+            if disk is not None:
+                disk.close()
+            elif lock_fd is not None:
+                os.close(lock_fd)
+            if self._disk_required:
+                raise
+            self.stats_counts["disk_unavailable"] += 1
+            log.error("KVNode %s: the disk tier at %s cannot be used (%s): none", self.node_id[:8], cfg.disk_dir, e)
+            return None, []
+
     def _gpu_tier(self):
         cfg = self.config
         if not cfg.gpu_bytes:
@@ -270,7 +298,12 @@ class KVNode:
             return None
         from kvmesh.tiers.gpu import GpuTier
 
-        return GpuTier(cfg.gpu_bytes // cfg.slot_bytes, cfg.slot_bytes, cfg.gpu_device)
+        try:
+            return GpuTier(cfg.gpu_bytes // cfg.slot_bytes, cfg.slot_bytes, cfg.gpu_device)
+        except torch.cuda.OutOfMemoryError as e:  # (a restart while the old process's memory is not yet freed)
+            self.stats_counts["gpu_unavailable"] += 1
+            log.error("KVNode %s: no room for the GPU tier on %s (%s): none", self.node_id[:8], cfg.gpu_device, e)
+            return None
 
     def _export_gpu(self) -> tuple[bytes, ...]:
         """The GPU tier's pools for same-node readers (CUDA IPC); none where the tier is absent, on a CPU stand-in

@@ -69,7 +69,7 @@ class NodeView:
             t, at = self._table, self._at
         now_ms = t.now_ms + int((time.monotonic() - at) * 1000)
         live = {inc: info for inc, info in t.live.items() if t.deadlines.get(inc, 0) > now_ms}
-        return NodeTable(t.epoch, now_ms, live, t.dead, t.deadlines, t.dead_incarnations, read_at(t))
+        return NodeTable(t.epoch, now_ms, live, t.dead, t.deadlines, t.dead_incarnations, read_at(t), t.unreadable)
 
     @property
     def age_s(self) -> float:
@@ -142,6 +142,7 @@ class TableFile:
                 list(table.deadlines.items()),
                 list((table.dead_incarnations or {}).items()),
                 read_at(table),
+                list((table.unreadable or {}).items()),
             ],
             use_bin_type=True,
         )
@@ -176,6 +177,7 @@ class TableFile:
                 {int(i): int(d) for i, d in o[6]},
                 {str(n): int(i) for n, i in o[7]},
                 int(o[8]),
+                {str(n): int(i) for n, i in o[9]} if len(o) > 9 else None,
             )
         except (OSError, ValueError, TypeError, IndexError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
             return None

@@ -178,7 +178,7 @@ class Registrar:
         if self.fenced:
             return
         d = self.directory
-        state = d.heartbeat(self.lease, self.lease_ms)
+        state = d.heartbeat(self.lease, self.lease_ms, self.info)
         if state == "ok" and d.server_identity() != self._server:
             state = "resync"  # a restarted or failed-over Redis: it may lack or keep entries wrongly
             self._count("directory_server_changed")
@@ -208,8 +208,11 @@ class Registrar:
         """The directory lost this node (restarted empty, or failed over): re-join under a new incarnation so
         nothing registered before can be mistaken for current, then register everything held."""
         old = self.lease.incarnation
-        self._server = self.directory.server_identity()
+        server = self.directory.server_identity()
+        # (a join that raised may still have run: the next heartbeat finds this process's own record under a newer
+        # incarnation and asks for a resync again, never a fence; the server is noted only once the join answered)
         self.lease = self.directory.join(self.info, self.lease_ms, old)
+        self._server = server
         # What the old incarnation registered in this Redis before the heartbeat noticed (an emptied Redis does
         # not know it as "previous") is dead now; give its memory back too.
         self._on_rejoin([i for i in dict.fromkeys((self.lease.previous, old)) if i and i != self.lease.incarnation])

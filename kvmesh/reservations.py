@@ -14,6 +14,7 @@ this object's table is only touched under it.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -35,7 +36,7 @@ class Reservations:
         self.slab_path = slab_path
         # reservation id -> (GPU-tier tickets, one per chunk asked for or None, monotonic deadline)
         self._reserved: dict[int, tuple[list[StoreTicket | None], float]] = {}
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(secrets.randbits(48) + 1)  # (as the node's pin ids: not a previous process's)
 
     def reserve(self, items: list[StoreItem]) -> GpuReserved:
         gpu = self.cascade.gpu

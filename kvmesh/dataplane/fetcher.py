@@ -63,6 +63,10 @@ class Fetcher:
             return "slab"
         if opts.coalesce and opts.group and self.local_reads:
             return "via"
+        if opts.transport == "tcp":
+            info = self.env.view.info(run.holder, run.incarnation)
+            if info is not None and not info.data_addr:  # a holder that serves pulls through Ray only (its node
+                return "ray"  # was started with peer_transport="ray"): every KVNode answers Ray pulls
         return opts.transport
 
     def budget(self, node: str, incarnation: int = 0) -> int:

@@ -125,24 +125,57 @@ def test_start_raises_the_same_error_and_places_no_node(ray_cluster, servers, na
     assert set(node_actors()) == before
 
 
-def test_connect_to_a_good_directory_with_its_password_works(ray_cluster, servers):
-    client = kvmesh.connect(SPEC, redis_url=servers["good"], lease_s=LEASE_S, heartbeat_s=LEASE_S / 2)
+def _connect_and_look_up(url: str) -> str:
+    client = kvmesh.connect(SPEC, redis_url=url, lease_s=LEASE_S, heartbeat_s=LEASE_S / 2)
     try:
-        assert client.lookup(list(range(8))).why == "not_cached"  # asked the directory, which answered
+        return client.lookup(list(range(8))).why
     finally:
         client.close()
 
 
+def test_connect_to_a_good_directory_with_its_password_works(ray_cluster, servers):
+    """From a Ray node without a KVNode (a client beside a KVNode must use the node's own directory)."""
+    from tests.integration.conftest import on_node
+
+    node = ray_cluster.add_node(num_cpus=1)
+    try:
+        assert on_node(node.node_id, _connect_and_look_up, servers["good"]) == "not_cached"  # the directory answered
+    finally:
+        ray_cluster.remove_node(node, graceful=True)
+
+
+class _Client:
+    def __init__(self, url: str) -> None:
+        self.c = kvmesh.connect(SPEC, redis_url=url, lease_s=LEASE_S, heartbeat_s=LEASE_S / 2, lookup_timeout_s=0.3)
+
+    def lookup(self) -> tuple[int, str]:
+        m = self.c.lookup(list(range(8)))
+        return m.num_chunks, m.why
+
+    def close(self) -> None:
+        self.c.close()
+
+
 def test_once_connected_a_directory_that_goes_away_is_a_miss(ray_cluster):
-    with RedisServer() as server:
-        client = kvmesh.connect(SPEC, redis_url=server.url, lease_s=LEASE_S, heartbeat_s=LEASE_S / 2,
-                                lookup_timeout_s=0.3)
-        try:
-            server.kill()
-            m = client.lookup(list(range(8)))  # no exception: a miss, and why
-            assert m.num_chunks == 0 and m.why == "directory_error"
-        finally:
-            client.close()
+    """(A client on a Ray node without a KVNode: one beside a KVNode must use the node's own directory.)"""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray_cluster.add_node(num_cpus=1)
+    try:
+        with RedisServer() as server:
+            where = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+            client = ray.remote(num_cpus=0)(_Client).options(scheduling_strategy=where).remote(server.url)
+            try:
+                assert ray.get(client.lookup.remote(), timeout=60) == (0, "not_cached")
+                server.kill()
+                # no exception: a miss, and why
+                assert ray.get(client.lookup.remote(), timeout=60) == (0, "directory_error")
+            finally:
+                ray.get(client.close.remote(), timeout=60)
+                ray.kill(client)
+    finally:
+        ray_cluster.remove_node(node, graceful=True)
 
 
 def _connect_in_a_task(url: str):

@@ -171,6 +171,36 @@ def test_what_a_superseded_process_registered_after_its_purge_is_taken_out_when_
     r.close()
 
 
+def test_a_join_of_its_own_whose_reply_was_lost_does_not_fence_the_node(server, nodes):
+    """A re-join (after Redis lost the node) runs in Redis, but its reply never reaches the node (a timeout: Redis
+    is slow just then). The node kept its old incarnation, its next heartbeat found a newer one and it fenced
+    itself for good: it stopped registering and purged its own entries, though it is its node's only process.
+    The newer incarnation's record is its own: it re-joins instead (found by the restart hunt)."""
+    node = nodes("node-j")
+    keys = store(node, 1)
+    d = Directory(server.url, "dm")
+    try:
+        wait_until(lambda: found(d, keys) == 4, 5)
+        before = node.lease.incarnation
+        lost = d.join(node.info, 10_000, before)  # what the lost join did in Redis: the node never learnt it
+        assert lost.incarnation > before
+        wait_until(lambda: node.lease.incarnation > lost.incarnation, 5)  # it re-joined (not fenced)
+        assert not node.fenced
+        more = store(node, 2)
+        wait_until(lambda: found(d, keys) == 4 and found(d, more) == 4, 5)  # what it holds is listed again
+        node.check_integrity(directory=True)
+    finally:
+        d.close()
+
+
+def test_another_process_of_the_node_still_fences_it(server, nodes):
+    old = nodes("node-k", lease_s=10.0, heartbeat_s=0.3)
+    store(old, 1)
+    new = nodes("node-k")
+    wait_until(lambda: old.fenced, 10)
+    assert not new.fenced
+
+
 def test_an_entry_full_of_holders_never_drops_a_live_one_and_lists_a_refused_one_once_there_is_room(server, nodes):
     # MAX_HOLDERS per chunk. Before, a ninth holder pushed out the oldest, live or not, which never learned it:
     # once the others died and were purged, the live holder's chunk was never found again

@@ -66,6 +66,31 @@ def test_pins_protect_a_same_node_read_and_expire(node):
     wait_until(lambda: node.stats()["pinned"] == 0, 3)
 
 
+def test_an_unpin_meant_for_the_nodes_previous_process_releases_no_pin_of_this_one(private_redis, tmp_path):
+    """Ray restarts a KVNode under the same actor handle; a client that pinned from the old process unpins late,
+    and the new process, whose pin ids also started at 1, released another reader's pin: its slots could be
+    reused under that reader's zero-copy read (found by the restart hunt)."""
+    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="tp", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
+                       lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path))
+    old = WireNode(cfg, "node-p" * 4, "kvnode-p")
+    old.store(*chunks(1))
+    stale = [unpack_pin_reply(old.pin(pack_keys([k(1)])))[0] for _ in range(3)]
+    old.die()
+    new = WireNode(cfg, "node-p" * 4, "kvnode-p")  # the restarted process
+    try:
+        new.store(*chunks(1))
+        mine = [unpack_pin_reply(new.pin(pack_keys([k(1)])))[0] for _ in range(3)]
+        assert new.stats()["pinned"] == 3
+        for pin_id in stale:
+            new.unpin(pin_id)  # the old process's readers, late
+        assert new.stats()["pinned"] == 3
+        for pin_id in mine:
+            new.unpin(pin_id)
+        assert new.stats()["pinned"] == 0
+    finally:
+        new.shutdown()
+
+
 def test_pins_carry_each_slab_chunk_s_device_checksum_once_the_node_has_recorded_it(node):
     node.store(*chunks(1, 2))
     wait_until(lambda: node.stats()["slab_devsums_queued"] == 0, 5)  # (the node's device-checksum thread)
@@ -537,3 +562,24 @@ def test_a_pull_through_that_fails_midway_is_shorter_and_frees_its_slots(node, t
         b.check_integrity()
     finally:
         b.shutdown()
+
+
+def test_a_restarted_node_whose_disk_cannot_be_used_starts_without_its_disk_tier(private_redis, tmp_path):
+    """A disk that went read-only or away (here: the disk directory's parent is a file) made a restarted node fail
+    to start; Ray does not retry a restarted actor whose creation fails, so the node lost its KVNode, CPU tier and
+    all, for good (found by the restart hunt, on a read-only bind mount). A restart starts with its other tiers,
+    and says why the disk tier is missing."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="nd", cpu_bytes=16 * SLOT, slot_bytes=SLOT,
+                       disk_dir=str(blocker / "disk"), disk_bytes=64 * SLOT, shm_dir=str(tmp_path))
+    with pytest.raises(OSError):  # a first start says it (`kvmesh.start` raises it in one line)
+        WireNode(cfg, "node-d" * 4, "kvnode-d")
+    n = WireNode(cfg, "node-d" * 4, "kvnode-d", disk_required=False)  # a restart (KVNodeActor: Ray restarted it)
+    try:
+        st = n.stats()
+        assert st["disk_unavailable"] == 1 and "disk_chunks" not in st
+        assert n.store(*chunks(1, 2)) == 2
+        wait_until(lambda: len(lookup(n, [1, 2])) == 2, 5)
+    finally:
+        n.shutdown()

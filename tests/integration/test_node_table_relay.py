@@ -126,3 +126,18 @@ def test_a_node_that_joined_after_the_relayed_table_counts_as_a_holder_at_once(p
             cl.close()
         for n in (a, c):
             n.shutdown()
+
+
+def test_a_dead_nodes_relay_temp_file_is_removed_with_its_slab(tmp_path):
+    """A KVNode killed while it replaced its relay (`<slab>.nodes.<pid>.<thread>`, then os.replace) left the temp
+    file in /dev/shm for good: one more per such crash (one was on this machine, found by the restart hunt)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # a process that is gone, as a KVNode killed with SIGKILL
+    base = f"kvmesh-3ae66db838b03856-{p.pid}-f50fd687"
+    for name in (base, base + ".nodes", f"{base}.nodes.{p.pid}.140457468212928", "other-file"):
+        (tmp_path / name).write_bytes(b"x")
+    assert remove_stale_slabs(str(tmp_path)) == 3
+    assert sorted(os.listdir(tmp_path)) == ["other-file"]

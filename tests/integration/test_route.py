@@ -154,25 +154,51 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_a_stopped_directory_gives_unknown_estimates_in_bounded_time(mesh, private_redis):
+class _Router:
+    """A routing client of its own directory (a Redis the test can stop), on a Ray node without a KVNode (a client
+    beside a KVNode must use the node's directory)."""
+
+    def __init__(self, s: KVSpec, url: str) -> None:
+        self.cl = kvmesh.connect(s, redis_url=url)
+
+    def route(self, toks, candidates):
+        t0 = time.monotonic()
+        est = self.cl.route(toks, candidates)
+        return [(e.node_id, e.known, e.expected_ttft_s, e.why) for e in est], time.monotonic() - t0
+
+    def report_load(self) -> bool:
+        return self.cl.report_load(1, 1, "down-r")
+
+    def lookup_timeout_s(self) -> float:
+        return self.cl.config.lookup_timeout_s
+
+    def close(self) -> None:
+        self.cl.close()
+
+
+def test_a_stopped_directory_gives_unknown_estimates_in_bounded_time(mesh, ray_cluster, private_redis):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     a, b, _ = mesh.node_ids
     s = spec("down")
-    cl = kvmesh.connect(s, redis_url=private_redis.url)  # this client's directory is a Redis we can stop
+    node = ray_cluster.add_node(num_cpus=1)
+    where = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+    cl = ray.remote(num_cpus=0)(_Router).options(scheduling_strategy=where).remote(s, private_redis.url)
     try:
-        assert all(e.known for e in cl.route(tokens(3 * C, 5), [a, b]))
+        est, _ = ray.get(cl.route.remote(tokens(3 * C, 5), [a, b]), timeout=60)
+        assert all(known for _, known, _, _ in est)
         private_redis.stop()
-        t0 = time.monotonic()
-        est = cl.route(tokens(3 * C, 5), [a, b])
-        took = time.monotonic() - t0
-        assert [e.node_id for e in est] == [a, b]  # the given order: nothing to rank by
-        assert all((e.known, e.expected_ttft_s, e.why) == (False, None, "directory_error") for e in est)
-        assert took < 2 * cl.config.lookup_timeout_s + 0.5
-        t0 = time.monotonic()
-        assert not any(e.known for e in cl.route(tokens(3 * C, 5), [a]))  # the breaker: no second timeout
-        assert time.monotonic() - t0 < 0.1
-        assert cl.report_load(1, 1, "down-r") is False
+        est, took = ray.get(cl.route.remote(tokens(3 * C, 5), [a, b]), timeout=60)
+        assert [n for n, _, _, _ in est] == [a, b]  # the given order: nothing to rank by
+        assert all(e[1:] == (False, None, "directory_error") for e in est)
+        assert took < 2 * ray.get(cl.lookup_timeout_s.remote()) + 0.5
+        est, took = ray.get(cl.route.remote(tokens(3 * C, 5), [a]), timeout=60)
+        assert not any(known for _, known, _, _ in est) and took < 0.1  # the breaker: no second timeout
+        assert ray.get(cl.report_load.remote()) is False
     finally:
-        cl.close()
+        ray.get(cl.close.remote(), timeout=60)
+        ray.kill(cl)
+        ray_cluster.remove_node(node, graceful=True)
 
 
 def test_bad_input_raises_typed_errors_naming_the_argument(client, mesh):

@@ -30,7 +30,7 @@ class StandIn:
     def server_identity(self):
         return "s"
 
-    def heartbeat(self, lease, ms):
+    def heartbeat(self, lease, ms, info=None):
         if self.down:
             raise redis.ConnectionError("down")
         return "ok"

@@ -651,8 +651,9 @@ class KVMeshClient:
         return kv if kv.stride(-1) == 1 else kv.contiguous()
 
     def flush(self, timeout_s: float = 30.0) -> int:
-        """Wait until every store handed over so far is in the node's tier and registered; returns how many
-        chunks the node actually stored."""
+        """Wait until every store handed over so far (by any thread) is in the node's tier and registered; returns
+        how many chunks the node actually stored of the stores no earlier flush counted (with several threads
+        flushing at once, each store is counted by the first flush that reads its reply)."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
             raise ValueError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
         return self.stores.flush(timeout_s) if self.stores is not None else 0
@@ -725,6 +726,15 @@ class KVMeshClient:
                 self._flush_telemetry()
             except Exception as e:  # never let the refresher die: the node table would freeze with it
                 log.exception("kvmesh client: background refresh failed: %s", e)
+
+    def share_counts(self, other: KVMeshClient) -> None:
+        """Count into `other`'s counters from now on (an engine's clients, one per LoRA adapter or KV cache group,
+        report as one): its stores' counts too, and through its exporter, so that each change is exported once
+        (each client exported every change of the shared counters, its own and the others')."""
+        self.counts = other.counts
+        if self.stores is not None:
+            self.stores.counts = other.counts
+        self._exporter = other._exporter
 
     def _flush_telemetry(self) -> None:
         samples, self._samples = self._samples, []
@@ -812,10 +822,20 @@ def _resolve(
 
 def _check_directory(cfg: KVMeshConfig, node_cfg: KVMeshConfig) -> None:
     """A client attached to a node must use the node's directory: the node registers what the client stores, and
-    lookups under another URL or key prefix would never find it (a silent 0 % hit rate)."""
-    from kvmesh.redisconn import same_directory
+    lookups under another database or key prefix would never find it (a silent 0 % hit rate). Two spellings of the
+    node's own (a host name and its address, another master of its Redis Cluster, another ACL user) are the same
+    directory: the servers are asked where the text differs. Where the node's server cannot be asked, the client
+    goes on (its own URL answered the probe), with a warning."""
+    from kvmesh.redisconn import same_server
 
-    if cfg.key_prefix != node_cfg.key_prefix or not same_directory(cfg.redis_url, node_cfg.redis_url):
+    same = same_server(cfg.redis_url, node_cfg.redis_url) if cfg.key_prefix == node_cfg.key_prefix else False
+    if same is None:
+        log.warning(
+            "kvmesh: could not tell whether %s is the directory of this client's KVNode (%s)",
+            redact_url(cfg.redis_url),
+            redact_url(node_cfg.redis_url),
+        )
+    elif not same:
         raise ValueError(
             f"this client's directory ({redact_url(cfg.redis_url)}, key_prefix {cfg.key_prefix!r}) is not the "
             f"one its KVNode registers in ({redact_url(node_cfg.redis_url)}, key_prefix {node_cfg.key_prefix!r}): "

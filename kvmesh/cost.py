@@ -163,21 +163,28 @@ class CostModel:
         self.prefill = PrefillModel()
         self.links: dict[str, LinkModel] = dict(sources or {})
         self.margin = margin
+        self._links_lock = threading.Lock()  # a client plans and observes from several threads at once
 
     def link(self, source: str) -> LinkModel:
         """The model of `source`. "<kind>:<node id>" (one peer's link) starts from the prior of "<kind>"."""
-        if source not in self.links:
+        found = self.links.get(source)
+        if found is not None:
+            return found
+        with self._links_lock:  # (adding and pruning unlocked: "dictionary changed size during iteration" out of
+            found = self.links.get(source)  # a lookup, or a KeyError where two threads pruned one link)
+            if found is not None:
+                return found
             if len(self.links) >= MAX_LINKS:  # peers' links not observed for FORGET_S are their priors anyway: a
                 now = time.monotonic()  # cluster's node ids over weeks (replaced machines) do not pile up
-                for name in [n for n, m in self.links.items() if ":" in n and now - m._last_at > FORGET_S]:
-                    del self.links[name]
+                for name in [n for n, m in list(self.links.items()) if ":" in n and now - m._last_at > FORGET_S]:
+                    self.links.pop(name, None)
             base = self.links.get(source.split(":", 1)[0])
-            self.links[source] = (
+            made = self.links[source] = (
                 LinkModel(1.0 / base._prior[1], float(base._prior[0]))
                 if base is not None and ":" in source
                 else LinkModel(bandwidth_bps=1e9, latency_s=1e-3)  # a modest guess
             )
-        return self.links[source]
+            return made
 
     def observe_transfer(self, source: str, nbytes: int, seconds: float) -> None:
         """A transfer over `source`; one over a peer's own link is also one of its kind's (what a router prices

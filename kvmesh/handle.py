@@ -380,7 +380,7 @@ class KVNodeActor:
         wait = 0.5
         while True:
             try:
-                self.node = KVNode(config, node_id, actor_name, host, disk_required=not _restarted())
+                self.node = KVNode(config, node_id, actor_name, host, restarted=_restarted())
                 return
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 # Ray restarting this actor (its process died) while the directory is away: a creation that fails

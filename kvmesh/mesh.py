@@ -12,7 +12,7 @@ from typing import Any
 
 from kvmesh.config import KVMeshConfig
 from kvmesh.handle import ACTOR_PREFIX, NAMESPACE, KVNodeActor, NodeHandle, NodeHello, actor_name
-from kvmesh.redisconn import same_directory
+from kvmesh.redisconn import same_server
 from kvmesh.wire import NodeInfo
 
 __all__ = ["Mesh", "start", "stop", "node_actors", "NAMESPACE", "ACTOR_PREFIX", "actor_name"]
@@ -116,7 +116,7 @@ def _check_same_directory(ray, cfg: KVMeshConfig, timeout_s: float) -> None:
             continue
         differ = [
             f
-            for f, same in (("redis_url", same_directory), ("key_prefix", str.__eq__))
+            for f, same in (("redis_url", lambda a, b: same_server(a, b) is not False), ("key_prefix", str.__eq__))
             if not same(getattr(running, f), getattr(cfg, f))
         ]
         if differ:

@@ -111,10 +111,11 @@ class KVNode:
         node_id: str,
         actor_name: str = "",
         host: str = "127.0.0.1",
-        disk_required: bool = True,
+        restarted: bool = False,
     ) -> None:
-        """`disk_required=False` (a restart): a disk tier that cannot be used now is left out, not an error."""
-        self._disk_required = disk_required
+        """`restarted` (Ray restarted this node's actor): a disk or GPU tier that cannot be had now is left out,
+        not an error (a first start fails instead, said in one line)."""
+        self._restarted = restarted
         self.config = config if isinstance(config, KVMeshConfig) else KVMeshConfig.from_dict(config)
         self.node_id = node_id
         self.stats_counts: Counter[str] = Counter()
@@ -123,6 +124,7 @@ class KVNode:
         self._pins: dict[int, tuple[list[int], list[int], float]] = {}
         # from a random start: an unpin a client meant for this node's previous process (Ray restarted it under the
         # same handle) must not release a pin of this one
+        self._pulling: Counter[bytes] = Counter()  # keys -> pull-throughs between their start and their pin
         self._pin_ids = itertools.count(secrets.randbits(48) + 1)
         cfg = self.config
         os.makedirs(cfg.shm_dir, exist_ok=True)
@@ -140,8 +142,16 @@ class KVNode:
                 num_slots,
             )
         self.tier = CpuTier(path, num_slots, cfg.slot_bytes)  # the slab every reader maps
-        disk, recovered = self._disk_tier() if cfg.disk_bytes else (None, [])
-        self.cascade = Cascade(self.tier, self._gpu_tier(), disk, cfg.write_policy)
+        disk = None
+        try:  # (a first start that fails here leaves no slab file behind: its pid lives on, nothing would clean it)
+            disk, recovered = self._disk_tier() if cfg.disk_bytes else (None, [])
+            gpu = self._gpu_tier()
+        except BaseException:
+            if disk is not None:
+                disk.close()
+            self.tier.close()
+            raise
+        self.cascade = Cascade(self.tier, gpu, disk, cfg.write_policy)
         self._io: queue.SimpleQueue = queue.SimpleQueue()  # disk writes and the start-up verification (I/O threads)
         if disk is not None and recovered:  # readable at once (every disk read is verified); registered once
             # verified below
@@ -260,7 +270,7 @@ class KVNode:
     def _disk_tier(self):
         """The disk tier and the chunks it recovered. Where its directory cannot be used (a disk that went
         read-only or full, a directory without permission) a first start fails, said in one line; a restart
-        (`disk_required=False`) leaves the tier out and says so (`disk_unavailable`): Ray does not retry a restarted
+        (`restarted`) leaves the tier out and says so (`disk_unavailable`): Ray does not retry a restarted
         actor whose creation fails, and the node would lose its other tiers with it, for good."""
         from kvmesh.tiers.disk import DiskTier, claim_directory
 
@@ -280,7 +290,7 @@ class KVNode:
                 disk.close()
             elif lock_fd is not None:
                 os.close(lock_fd)
-            if self._disk_required:
+            if not self._restarted:
                 raise
             self.stats_counts["disk_unavailable"] += 1
             log.error("KVNode %s: the disk tier at %s cannot be used (%s): none", self.node_id[:8], cfg.disk_dir, e)
@@ -297,10 +307,14 @@ class KVNode:
             log.warning("KVNode %s: gpu_bytes is set but this node has no CUDA device: no GPU tier", self.node_id[:8])
             return None
         from kvmesh.tiers.gpu import GpuTier
+        from kvmesh.tiers.gpu_ipc import GpuIpcError
 
         try:
             return GpuTier(cfg.gpu_bytes // cfg.slot_bytes, cfg.slot_bytes, cfg.gpu_device)
-        except torch.cuda.OutOfMemoryError as e:  # (a restart while the old process's memory is not yet freed)
+        except (torch.cuda.OutOfMemoryError, GpuIpcError) as e:  # (a restart before the old process's memory is
+            out_of_memory = not isinstance(e, GpuIpcError) or e.reason == "out_of_memory"  # freed, or another's)
+            if not (self._restarted and out_of_memory):
+                raise
             self.stats_counts["gpu_unavailable"] += 1
             log.error("KVNode %s: no room for the GPU tier on %s (%s): none", self.node_id[:8], cfg.gpu_device, e)
             return None
@@ -501,10 +515,18 @@ class KVNode:
             self.tier.unpin(slots)
 
     def pull_through(self, req: PullRequest) -> Pinned:
-        self.pull_through_part.run(req)
-        pinned = self.pin(req.keys, self.node_id)
-        with self.lock:  # chunks pulled only for readers, that none of them pinned (evicted meanwhile): gone now
-            self._drop_transient(req.keys)
+        with self.lock:  # (from its transfer, or another reader's, to its pin: what one reader's unpin must not
+            self._pulling.update(req.keys)  # drop under another: readers waiting on a shared transfer got none)
+        try:
+            self.pull_through_part.run(req)
+            pinned = self.pin(req.keys, self.node_id)
+        finally:
+            with self.lock:  # chunks pulled only for readers, that none of them pinned (evicted meanwhile): gone now
+                self._pulling.subtract(req.keys)
+                for key in req.keys:
+                    if self._pulling[key] <= 0:
+                        del self._pulling[key]
+                self._drop_transient(req.keys)
         return pinned
 
     def _on_leave(self, slot: int, rec, below: int | None) -> None:
@@ -529,7 +551,9 @@ class KVNode:
     def _drop_transient(self, keys) -> None:
         """Caller holds the lock: forget the transient chunks among `keys` that no reader pins any more (a pinned
         one goes at its last unpin). Never registered, so the directory hears nothing."""
-        self.stats_counts["transient_dropped"] += self.replicas.drop_unpinned(keys, self.cascade)
+        self.stats_counts["transient_dropped"] += self.replicas.drop_unpinned(
+            [k for k in keys if k not in self._pulling], self.cascade
+        )
 
     # -- stores --------------------------------------------------------------------------------------------------
     def store(self, items: list[StoreItem], buf: np.ndarray) -> int:

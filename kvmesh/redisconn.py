@@ -5,7 +5,7 @@ raises when one does not. `kvmesh.directory` re-exports all three.
 
 from __future__ import annotations
 
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -68,29 +68,50 @@ def _cause(e: Exception, timeout_s: float) -> str:
 
 
 def same_directory(a: str, b: str) -> bool:
-    """Whether two directory URLs name one database: scheme, user, host, port (6379 when left out), database (0
-    when left out) and options (`?ssl_*`, `?cluster=`), whatever the spelling; passwords are not compared."""
+    """Whether two directory URLs name one database by their text: scheme and host (case aside), port (6379 when
+    left out), database (0 when left out) and whether they speak Redis Cluster, whatever the spelling. Users,
+    passwords and connection options (`?ssl_*`) are not compared: they change how a client reaches the database,
+    not which one.
+    `same_server` also asks the servers, for two spellings of one (a host name and its address)."""
 
     def key(url: str) -> tuple:
         p = urlsplit(url)
         query = dict(parse_qsl(p.query, keep_blank_values=True))
-        query.pop("password", None)
-        db = query.pop("db", None) or p.path.strip("/") or "0"
+        cluster = query.get("cluster", "").lower() in ("1", "true", "yes")
         if p.scheme == "unix":
-            return (p.scheme, p.username or "", p.path, db, sorted(query.items()))
-        return (
-            p.scheme.lower(),
-            p.username or "",
-            (p.hostname or "").lower(),
-            p.port or 6379,
-            db,
-            sorted(query.items()),
-        )
+            return ("unix", p.path, query.get("db") or "0", cluster)
+        db = query.get("db") or p.path.strip("/") or "0"
+        return (p.scheme.lower(), (p.hostname or "").lower(), p.port or 6379, db, cluster)
 
     try:
         return key(a) == key(b)
     except ValueError:  # (a port that is not a number: only the same text is the same directory)
         return a == b
+
+
+def _database(url: str) -> tuple[str, str]:
+    """(the server's identity: its run id, each master's in Redis Cluster; the database number)."""
+    client = connect(url)
+    try:
+        if hasattr(client, "get_primaries"):  # Redis Cluster: one database
+            from redis.cluster import RedisCluster
+
+            infos = client.info("server", target_nodes=RedisCluster.PRIMARIES)
+            return ",".join(sorted(i["run_id"] for i in infos.values())), "0"
+        return client.info("server")["run_id"], str(client.connection_pool.connection_kwargs.get("db", 0))
+    finally:
+        client.close()
+
+
+def same_server(a: str, b: str) -> bool | None:
+    """Whether two directory URLs name one database: by their text, else by asking both servers (their run ids and
+    the database numbers). None where a server does not answer (it cannot be told)."""
+    if same_directory(a, b):
+        return True
+    try:
+        return _database(a) == _database(b)
+    except (redis.RedisError, RedisClusterException, OSError, KeyError):
+        return None
 
 
 def connect(url: str, timeout_s: float = 2.0):
@@ -101,7 +122,9 @@ def connect(url: str, timeout_s: float = 2.0):
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
     cluster = any(k == "cluster" and v.lower() in ("1", "true", "yes") for k, v in query)
-    plain = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "cluster"])))
+    rest = urlencode([(k, v) for k, v in query if k != "cluster"])
+    # (not urlunsplit: it writes unix:///path back as unix:/path, which redis-py refuses)
+    plain = f"{parts.scheme}://{parts.netloc}{parts.path}" + (f"?{rest}" if rest else "")
     kw = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
     if cluster:
         from redis.cluster import RedisCluster

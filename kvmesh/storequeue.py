@@ -51,7 +51,8 @@ class StoreQueue:
         self.counts = counts
         self.gpu = gpu  # () -> the node's GPU pools as mapped here (dataplane.gpureads.GpuReads) or None
         self._lock = threading.Lock()  # _pending and _staging_jobs: the stager thread adds to them
-        self._pending: list[Pending[int]] = []
+        self._pending: list[Pending[int]] = []  # replies not yet counted by a flush (or by the busy check)
+        self._settled = 0  # chunks stored by replies read (and dropped from _pending) before any flush counted them
         self._staged: queue.Queue = queue.Queue()  # stores being copied off a GPU, handed over by _stage_loop
         self._staging_jobs = 0
         self._stager: threading.Thread | None = None
@@ -64,7 +65,9 @@ class StoreQueue:
             return 0
         with self._lock:
             if len(self._pending) + self._staging_jobs >= MAX_INFLIGHT:  # (only then: a look costs a Ray call each)
-                self._pending = [p for p in self._pending if not p.done()]
+                done = [p for p in self._pending if p.done()]
+                self._pending = [p for p in self._pending if not any(p is d for d in done)]
+                self._settled += sum(self._read(p, 0.0) for p in done)  # (answered: their counts are kept)
             busy = len(self._pending) + self._staging_jobs >= MAX_INFLIGHT
         if busy:
             self.counts["store_dropped_busy"] += 1
@@ -244,17 +247,38 @@ class StoreQueue:
             self._pending.append(pending)
 
     def flush(self, timeout_s: float = 30.0) -> int:
+        """Waits for every store handed over so far, whichever thread handed it over (a flush of one thread used to
+        take the replies of all, and another thread's flush then returned at once, before its own store was in).
+        Each reply is counted by one flush: the first to read it."""
         self._staged.join()  # stores still being copied off a GPU are handed over first
         with self._lock:
-            pending, self._pending = self._pending, []
-        stored = 0
+            waiting = list(self._pending)
         end = time.monotonic() + timeout_s  # one deadline for them all, not timeout_s each
-        for p in pending:
+        results: list[tuple[Pending[int], int, Exception | None]] = []
+        for p in waiting:
             try:
-                stored += p.result(max(0.0, end - time.monotonic()))
-            except (NodeCallError, TimeoutError, WireError):
-                self.counts["store_failures"] += 1
+                results.append((p, p.result(max(0.0, end - time.monotonic())), None))
+            except (NodeCallError, TimeoutError, WireError) as e:
+                results.append((p, 0, e))
+        stored = 0
+        with self._lock:
+            stored, self._settled = self._settled, 0
+            for p, n, error in results:
+                if not any(p is q for q in self._pending):
+                    continue  # counted by another flush, or by the busy check
+                self._pending = [q for q in self._pending if q is not p]
+                stored += n
+                if error is not None:
+                    self.counts["store_failures"] += 1
         return stored
+
+    def _read(self, p: Pending[int], timeout: float) -> int:
+        """(under _lock) A reply's chunks stored, 0 (and counted as a failure) for one that failed."""
+        try:
+            return p.result(timeout)
+        except (NodeCallError, TimeoutError, WireError):
+            self.counts["store_failures"] += 1
+            return 0
 
     def close(self) -> None:
         if self._stager is not None:

@@ -167,7 +167,8 @@ class KVMeshRouter(RequestRouter):
         self._next_connect = time.monotonic() + RECONNECT_S
         try:
             self.client = kvmesh.connect(spec, redis_url, cache_salt=cache_salt, **options)
-        except (ConnectionError, TimeoutError, RuntimeError) as e:  # DirectoryUnavailable is a ConnectionError
+        # DirectoryUnavailable is a ConnectionError; ValueError: another directory than the local KVNode's
+        except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
             why = f"{type(e).__name__}: {e}"
             if why != self.connect_error:
                 log.error("kvmesh router: %s; routing by load alone, connecting again every %g s", why, RECONNECT_S)

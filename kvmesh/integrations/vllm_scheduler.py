@@ -31,6 +31,7 @@ gives the cost model's plan), and one more for a group whose window moved when a
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -90,6 +91,7 @@ class SchedulerSide:
         self._connect = connect  # spec -> KVMeshClient
         # (LoRA adapter, group) -> a KVMeshClient (what `connect` makes: tests give their own)
         self._clients: dict[tuple[str | None, int], Any] = {(None, 0): connect(spec)}
+        self._clients_lock = threading.Lock()
         self.counts = self._clients[(None, 0)].counts  # shared by every client of this side (one per LoRA adapter
         # and group)
         self._reqs: dict[str, _Request] = {}
@@ -103,9 +105,16 @@ class SchedulerSide:
     def client(self, lora_id: str | None, group: int = 0):
         c = self._clients.get((lora_id, group))
         if c is None:
-            c = self._clients[(lora_id, group)] = self._connect(replace(self.specs[group], lora_id=lora_id))
-            c.counts = self.counts
-            c.cost = self._clients[(None, 0)].cost  # an adapter barely changes the prefill and not the links
+            with self._clients_lock:  # (the engine's thread, the loader and the saver ask at once: one client each)
+                c = self._clients.get((lora_id, group))
+                if c is None:
+                    c = self._connect(replace(self.specs[group], lora_id=lora_id))
+                    if hasattr(c, "share_counts"):  # (a KVMeshClient; tests' stand-ins share the Counter)
+                        c.share_counts(self._clients[(None, 0)])
+                    else:
+                        c.counts = self.counts
+                    c.cost = self._clients[(None, 0)].cost  # an adapter barely changes the prefill and not the links
+                    self._clients[(lora_id, group)] = c
         return c
 
     # -- lookup ---------------------------------------------------------------------------------------------------

@@ -104,6 +104,7 @@ class WorkerSide:
         self._connect = connect
         # (LoRA adapter, group) -> a KVMeshClient (what `connect` makes: tests give their own)
         self._clients: dict[tuple[str | None, int], Any] = {(None, 0): connect(spec)}
+        self._clients_lock = threading.Lock()
         self.counts: Counter[str] = self._clients[(None, 0)].counts
         self._layer_names = [list(names) for names in layer_names]
         self.layers: list[torch.Tensor] = []  # every attention layer's cache, in model layer order
@@ -140,8 +141,15 @@ class WorkerSide:
     def client(self, lora_id: str | None, group: int = 0):
         c = self._clients.get((lora_id, group))
         if c is None:
-            c = self._clients[(lora_id, group)] = self._connect(replace(self.specs[group], lora_id=lora_id))
-            c.counts = self.counts
+            with self._clients_lock:  # (the engine's thread, the loader and the saver ask at once: one client each)
+                c = self._clients.get((lora_id, group))
+                if c is None:
+                    c = self._connect(replace(self.specs[group], lora_id=lora_id))
+                    if hasattr(c, "share_counts"):  # (a KVMeshClient; tests' stand-ins share the Counter)
+                        c.share_counts(self._clients[(None, 0)])
+                    else:
+                        c.counts = self.counts
+                    self._clients[(lora_id, group)] = c
         return c
 
     def count(self, key: str, n: int = 1) -> None:

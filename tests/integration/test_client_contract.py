@@ -174,3 +174,32 @@ def test_a_serve_replicas_load_reporter_outlives_its_closed_client_quietly(node)
         rep.close()
     finally:
         threading.excepthook = hook
+
+
+def test_clients_that_share_counts_report_each_change_once_stores_included(node):
+    """An engine's clients (one per LoRA adapter or KV cache group) count into one Counter. Each client's exporter
+    shipped every change of it, so the live page and Ray metrics read N times the lookups, and an adapter's stores
+    were counted in its own, unshared counters (found by the thread-safety hunt)."""
+    from kvmesh.telemetry import Records
+
+    base = connect_local(SPEC, node)
+    adapter = connect_local(SPEC, node, cache_salt="adapter-1")
+    adapter.share_counts(base)
+    try:
+        for seed in range(5):
+            base.lookup(prompt(seed, 2)[0])
+            adapter.lookup(prompt(seed, 2)[0])
+        toks, kv = prompt(9, 3)
+        assert adapter.store(toks, kv) == 3
+        adapter.flush()
+        assert base.counts["lookups"] == 10 and base.counts["stored_chunks"] == 3
+        base._flush_telemetry()
+        adapter._flush_telemetry()
+        base._flush_telemetry()
+        r = redis.Redis.from_url(node.config.redis_url)
+        totals = {k.decode(): int(v) for k, v in r.hgetall(Records(r, node.config.key_prefix).k_totals).items()}
+        r.close()
+        assert totals["lookups"] == 10 and totals["stored_chunks"] == 3, totals
+    finally:
+        adapter.close()
+        base.close()

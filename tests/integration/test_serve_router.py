@@ -158,3 +158,39 @@ def test_a_router_that_cannot_reach_its_directory_routes_by_load_and_says_why_in
     assert len(said) == 1, said  # once, not once per request
     says_directory_unreachable(said[0], url)
     assert "\n" not in said[0]
+
+
+ROUTER_SPEC = KVSpec("router-directory", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=32)
+
+
+def w_router(spec_hex: str, redis_url, options):
+    """What Serve does in a routing process: initialize_state with router_config's kwargs."""
+    from kvmesh.integrations.serve import KVMeshRouter
+
+    r = KVMeshRouter.__new__(KVMeshRouter)  # (Serve's own constructor needs a deployment; initialize_state is ours)
+    try:
+        r.initialize_state(spec=spec_hex, redis_url=redis_url, options=options)
+    except Exception as e:  # noqa: BLE001
+        return "raised", f"{type(e).__name__}: {e}"
+    connected = r.client is not None
+    if connected:
+        r.client.close()
+    return "connected" if connected else "degraded", r.connect_error
+
+
+def test_a_router_beside_a_kvnode_with_the_nodes_redis_by_hostname_connects(mesh, ray_cluster, redis_server):
+    """router_config(spec, redis_url=...) spelled with the host name of the nodes' Redis: one directory. The
+    router's construction raises ValueError instead (Serve cannot build the router)."""
+    a = ray_cluster.node_ids()[0]
+    url = redis_server.url.replace("127.0.0.1", "localhost")
+    got = on_node(a, w_router, ROUTER_SPEC.canonical_bytes().hex(), url, {})
+    assert got[0] == "connected", got
+
+
+def test_a_router_whose_directory_is_refused_routes_by_load_instead_of_raising(mesh, ray_cluster):
+    """A router's failed connect is documented to say why once and route by load alone, retrying every
+    RECONNECT_S (`_try_connect`). It catches ConnectionError, TimeoutError and RuntimeError, not the new
+    ValueError: the refusal escapes initialize_state (and, on a later retry, choose_replicas of a request)."""
+    a = ray_cluster.node_ids()[0]
+    got = on_node(a, w_router, ROUTER_SPEC.canonical_bytes().hex(), None, {"key_prefix": "elsewhere"})
+    assert got[0] == "degraded" and "key_prefix" in (got[1] or ""), got

@@ -137,3 +137,40 @@ def test_a_peers_batches_that_ran_at_once_count_as_the_span_they_took_not_their_
     runs = [RunStats("tcp", "peer:b", 4, 4, 0.3, "", 0.001 * i) for i in range(8)]
     ((link, nbytes, seconds),) = link_observations(runs, 100)
     assert (link, nbytes) == ("peer:b", 3200) and seconds == pytest.approx(0.307)
+
+
+def test_links_added_and_pruned_from_many_threads_at_once_never_raise():
+    """A client's lookups, plans and fetches meet new peers from several threads; past MAX_LINKS each new one
+    prunes. Unlocked, a prune raised "dictionary changed size during iteration" (or a KeyError where two threads
+    pruned one link) out of lookup (found by the thread-safety hunt)."""
+    import sys
+    import threading
+
+    from kvmesh.cost import MAX_LINKS, CostModel
+
+    cost = CostModel()
+    errors: list[str] = []
+    start = threading.Barrier(4)
+
+    def add(t: int) -> None:
+        start.wait()
+        for i in range(4000):
+            try:
+                cost.link(f"peer:{t}-{i}")
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e))
+                return
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads switch often: the unlocked window is hit at once)
+    try:
+        threads = [threading.Thread(target=add, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:3]
+    assert len(cost.links) <= 4 * 4000  # (all observed lately: none is old enough to prune)
+    assert MAX_LINKS < 4 * 4000

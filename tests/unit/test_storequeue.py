@@ -42,3 +42,71 @@ def test_flush_waits_its_timeout_once_not_once_per_store_in_flight():
     took = time.monotonic() - t0
     assert took < 1.0, f"flush(0.5) took {took:.2f} s with 4 stores in flight"
     assert counts["store_failures"] == 4
+
+
+class AnswersWhenLetGo(Pending[int]):
+    """A store the node answers once the test lets it (its chunks copied, checksummed and registered)."""
+
+    def __init__(self, n: int, go) -> None:
+        self.n, self.go = n, go
+
+    def result(self, timeout):
+        if not self.go.wait(timeout):
+            raise TimeoutError("the KVNode did not answer in time")
+        return self.n
+
+    def abandon(self, cleanup) -> None:
+        pass
+
+    def done(self) -> bool:
+        return self.go.is_set()
+
+
+class SlowNode:
+    def __init__(self) -> None:
+        import threading
+
+        self.go = threading.Event()
+
+    def store(self, items, data):
+        return AnswersWhenLetGo(len(items), self.go)
+
+
+def chunk():
+    return torch.zeros(SPEC.chunk_shape, dtype=torch.float16)
+
+
+def test_a_threads_flush_waits_for_its_store_while_another_threads_flush_waits_too():
+    """Thread A's flush took every pending reply, so thread B's flush returned at once, before B's own store was
+    in: B's lookup right after it missed (found by the thread-safety hunt). Every flush waits for every store
+    handed over before it; each reply is counted by the first flush that reads it."""
+    import threading
+
+    node = SlowNode()
+    q = StoreQueue(SPEC, node, Counter())
+    assert q.submit(b"a" * 16, [b"a" * 16], [chunk()]) == 1  # thread A's store
+    assert q.submit(b"b" * 16, [b"b" * 16, b"c" * 16], [chunk(), chunk()]) == 2  # thread B's
+    got = {}
+    a = threading.Thread(target=lambda: got.setdefault("a", q.flush(timeout_s=10)))
+    a.start()
+    time.sleep(0.1)  # A's flush is waiting (for both stores)
+    b = threading.Thread(target=lambda: got.setdefault("b", q.flush(timeout_s=10)))
+    b.start()
+    time.sleep(0.2)
+    assert a.is_alive() and b.is_alive(), got  # neither returned before the stores were answered
+    node.go.set()
+    a.join(5)
+    b.join(5)
+    assert sorted(got.values()) == [0, 3], got  # each reply counted once, by the first flush that read it
+    assert q.flush() == 0
+
+
+def test_a_flush_counts_the_stores_answered_before_it_however_many_there_were():
+    """Once 16 replies were pending, the answered ones were dropped unread: 20 stores of 3 chunks, then a flush
+    returned 12 (and a failed reply was never counted as a failure)."""
+    node = SlowNode()
+    node.go.set()  # every store answered at once
+    q = StoreQueue(SPEC, node, Counter())
+    for i in range(20):
+        assert q.submit(bytes([i]) * 16, [bytes([i, j]) * 8 for j in range(3)], [chunk()] * 3) == 3
+    assert q.flush() == 60

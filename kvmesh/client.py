@@ -125,6 +125,7 @@ class KVMeshClient:
         self._peer_incs: dict[str, int] = {}  # node id -> its incarnation when its handle was looked up
         self._slab = SlabReader.open(*local_slab[:2]) if local_slab else None
         self._slab_path = local_slab[0] if local_slab else ""
+        self._errors_counted = 0  # of view.errors, added to counts["directory_errors_total"] so far
         self._reattach_lock = threading.Lock()  # a fetch's stale slab and the refresher may both find the restart
         self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kvmesh-pull")
         self._verify_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-verify")
@@ -739,7 +740,10 @@ class KVMeshClient:
     def _flush_telemetry(self) -> None:
         samples, self._samples = self._samples, []
         events, self._events = self._events, []
-        self.counts["directory_errors_total"] = self.view.errors
+        # (a delta: clients that share counts (`share_counts`) each have their own view and its own error count)
+        errors = self.view.errors
+        self.counts["directory_errors_total"] += errors - self._errors_counted
+        self._errors_counted = errors
         self._exporter.flush(self.counts, samples, events)
 
     def close(self) -> None:
@@ -828,7 +832,11 @@ def _check_directory(cfg: KVMeshConfig, node_cfg: KVMeshConfig) -> None:
     goes on (its own URL answered the probe), with a warning."""
     from kvmesh.redisconn import same_server
 
-    same = same_server(cfg.redis_url, node_cfg.redis_url) if cfg.key_prefix == node_cfg.key_prefix else False
+    same = (
+        same_server(cfg.redis_url, node_cfg.redis_url, min(2.0, cfg.lease_s))
+        if cfg.key_prefix == node_cfg.key_prefix
+        else False
+    )
     if same is None:
         log.warning(
             "kvmesh: could not tell whether %s is the directory of this client's KVNode (%s)",

@@ -79,7 +79,7 @@ import redis
 
 from kvmesh import dirscripts
 from kvmesh.redisconn import DirectoryUnavailable as DirectoryUnavailable  # re-exported: kvmesh.DirectoryUnavailable
-from kvmesh.redisconn import connect
+from kvmesh.redisconn import connect, primaries_info
 from kvmesh.redisconn import probe as probe  # re-exported
 from kvmesh.wire import NodeInfo, WireError
 
@@ -254,13 +254,7 @@ class Directory:
     def _server_major(self) -> int:
         """The directory server's major Redis version (Valkey 8 says 7, its compatibility level); 0 if unknown."""
         try:
-            if self.cluster:
-                from redis.cluster import RedisCluster
-
-                infos = self._redis.info("server", target_nodes=RedisCluster.PRIMARIES)
-                info = next(iter(infos.values())) if isinstance(infos, dict) else {}
-            else:
-                info = self._redis.info("server")
+            info = (primaries_info(self._redis) or [{}])[0]
             return int(str(info.get("redis_version", "0")).split(".")[0])
         except (redis.RedisError, ValueError, StopIteration):
             return 0
@@ -270,12 +264,7 @@ class Directory:
         changes when a server restarts (even with its data on disk) or a replica takes over, and what such a
         server has may lag what nodes registered: they re-join and re-register (`KVNode` compares it every
         heartbeat). The epoch catches only a Redis that came back empty."""
-        if not self.cluster:
-            return self._redis.info("server")["run_id"]
-        from redis.cluster import RedisCluster
-
-        infos = self._redis.info("server", target_nodes=RedisCluster.PRIMARIES)
-        return ",".join(sorted(i["run_id"] for i in infos.values())) if isinstance(infos, dict) else str(infos)
+        return ",".join(sorted(str(i["run_id"]) for i in primaries_info(self._redis)))
 
     def leave(self, lease: Lease) -> bool:
         return bool(
@@ -320,6 +309,8 @@ class Directory:
             except WireError as e:  # one node of another release must not take every reader's table down
                 unreadable[node.decode()] = inc
                 if (node, inc) not in self._unreadable_seen:
+                    if len(self._unreadable_seen) >= 1024:  # (said once per record; a long upgrade says it again)
+                        self._unreadable_seen.clear()
                     self._unreadable_seen.add((node, inc))
                     log.warning("kvmesh: node %s's record is unreadable here (%s): its chunks are not read", node, e)
                 continue
@@ -725,7 +716,11 @@ class Directory:
         for node, inc in incs.items():
             assert node in deadlines, f"node {node!r} has no lease deadline"
             assert node in infos, f"node {node!r} has no info"
-            assert NodeInfo.unpack(infos[node], int(inc)).node_id == node.decode(), f"node {node!r} info mismatch"
+            try:
+                info = NodeInfo.unpack(infos[node], int(inc))
+            except WireError:  # a record of another release: this one cannot check it (node_table skips it)
+                continue
+            assert info.node_id == node.decode(), f"node {node!r} info mismatch"
 
     def close(self) -> None:
         with self._conns_lock:

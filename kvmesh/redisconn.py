@@ -89,28 +89,41 @@ def same_directory(a: str, b: str) -> bool:
         return a == b
 
 
-def _database(url: str) -> tuple[str, str]:
-    """(the server's identity: its run id, each master's in Redis Cluster; the database number)."""
-    client = connect(url)
-    try:
-        if hasattr(client, "get_primaries"):  # Redis Cluster: one database
-            from redis.cluster import RedisCluster
+def primaries_info(client, section: str = "server") -> list[dict]:
+    """`INFO section` of each master of a Redis Cluster client (redis-py folds a one-master cluster's answer into
+    the bare info dict, not {node: info}), or of the one server of a plain client."""
+    if not hasattr(client, "get_primaries"):
+        return [client.info(section)]
+    from redis.cluster import RedisCluster
 
-            infos = client.info("server", target_nodes=RedisCluster.PRIMARIES)
-            return ",".join(sorted(i["run_id"] for i in infos.values())), "0"
-        return client.info("server")["run_id"], str(client.connection_pool.connection_kwargs.get("db", 0))
+    infos = client.info(section, target_nodes=RedisCluster.PRIMARIES)
+    if not isinstance(infos, dict):
+        return []
+    if all(isinstance(v, dict) for v in infos.values()):
+        return list(infos.values())
+    return [infos]
+
+
+def _database(url: str, timeout_s: float) -> tuple[str, str]:
+    """(the server's identity: its run id, each master's in Redis Cluster; the database number)."""
+    client = connect(url, timeout_s)
+    try:
+        ids = ",".join(sorted(str(i["run_id"]) for i in primaries_info(client)))
+        db = "0" if hasattr(client, "get_primaries") else str(client.connection_pool.connection_kwargs.get("db", 0))
+        return ids, db
     finally:
         client.close()
 
 
-def same_server(a: str, b: str) -> bool | None:
+def same_server(a: str, b: str, timeout_s: float = 2.0) -> bool | None:
     """Whether two directory URLs name one database: by their text, else by asking both servers (their run ids and
-    the database numbers). None where a server does not answer (it cannot be told)."""
+    the database numbers), each within `timeout_s`. None where a server does not answer or will not say (an ACL
+    user without INFO): it cannot be told."""
     if same_directory(a, b):
         return True
     try:
-        return _database(a) == _database(b)
-    except (redis.RedisError, RedisClusterException, OSError, KeyError):
+        return _database(a, timeout_s) == _database(b, timeout_s)
+    except (redis.RedisError, RedisClusterException, OSError, KeyError, TypeError, ValueError):
         return None
 
 

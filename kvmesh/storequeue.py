@@ -67,7 +67,7 @@ class StoreQueue:
             if len(self._pending) + self._staging_jobs >= MAX_INFLIGHT:  # (only then: a look costs a Ray call each)
                 done = [p for p in self._pending if p.done()]
                 self._pending = [p for p in self._pending if not any(p is d for d in done)]
-                self._settled += sum(self._read(p, 0.0) for p in done)  # (answered: their counts are kept)
+                self._settled += sum(self._read(p) for p in done)  # (answered: their counts are kept)
             busy = len(self._pending) + self._staging_jobs >= MAX_INFLIGHT
         if busy:
             self.counts["store_dropped_busy"] += 1
@@ -258,7 +258,11 @@ class StoreQueue:
         for p in waiting:
             try:
                 results.append((p, p.result(max(0.0, end - time.monotonic())), None))
-            except (NodeCallError, TimeoutError, WireError) as e:
+            except TimeoutError:
+                # not answered yet: left pending (a later flush, or the busy check, counts it; a flush with a longer
+                # timeout waiting on it meanwhile still reads it), not counted a failure: it may well land
+                self.counts["store_flush_timeouts"] += 1
+            except (NodeCallError, WireError, OSError) as e:
                 results.append((p, 0, e))
         stored = 0
         with self._lock:
@@ -272,11 +276,11 @@ class StoreQueue:
                     self.counts["store_failures"] += 1
         return stored
 
-    def _read(self, p: Pending[int], timeout: float) -> int:
-        """(under _lock) A reply's chunks stored, 0 (and counted as a failure) for one that failed."""
+    def _read(self, p: Pending[int]) -> int:
+        """(under _lock) An answered reply's chunks stored, 0 (and counted as a failure) for one that failed."""
         try:
-            return p.result(timeout)
-        except (NodeCallError, TimeoutError, WireError):
+            return p.result(0.0)
+        except (NodeCallError, TimeoutError, WireError, OSError):
             self.counts["store_failures"] += 1
             return 0
 

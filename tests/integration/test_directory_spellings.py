@@ -3,7 +3,9 @@ another legitimate way, must not be refused. Real redis-server (and a real Redis
 (connect_local), no mocks."""
 
 import os
+import signal
 import tempfile
+import time
 
 import pytest
 import redis
@@ -111,4 +113,60 @@ def test_a_client_of_another_database_is_still_refused(tmp_path):
             with pytest.raises(ValueError, match="not the one its KVNode registers in"):
                 connect_local(SPEC, node, redis_url=other.url)
         finally:
+            node.shutdown()
+
+
+def _node_with(url: str, tmp_path, prefix: str = "rv", **kw) -> KVNode:
+    opts = dict(redis_url=url, key_prefix=prefix, cpu_bytes=4 * MiB, slot_bytes=256 * 1024, lease_s=5.0,
+                heartbeat_s=0.5, node_refresh_s=0.2, shm_dir=str(tmp_path))
+    opts.update(kw)
+    return KVNode(KVMeshConfig(**opts), "ab" * 16, "kvnode-rv")
+
+
+def test_same_server_on_a_single_master_redis_cluster():
+    """RedisCluster.info(target_nodes=PRIMARIES) returns the info dict itself
+    (not {node: info}) when the cluster has one master (redis-py folds a single reply), so `i["run_id"]` over its
+    values raises TypeError, which same_server does not catch: _check_directory (connect, connect_local) and
+    mesh._check_same_directory (kvmesh.start) raise TypeError instead of answering."""
+    from kvmesh.redisconn import same_server
+
+    with RedisClusterServers(masters=1) as rc:
+        assert same_server(rc.url, rc.url.replace("127.0.0.1", "localhost")) is True
+
+
+def test_a_node_starts_on_a_single_master_redis_cluster(tmp_path):
+    """(directory.Directory._server_major and server_identity: the same folding) a KVNode cannot start on a one-master
+    Redis Cluster: AttributeError 'str' object has no attribute 'get'."""
+    with RedisClusterServers(masters=1) as rc:
+        _node_with(rc.url, tmp_path).shutdown()
+
+
+def test_shared_exporter_does_not_inflate_directory_errors_total(tmp_path):
+    """share_counts shares the Counter and the exporter; every client's _flush_telemetry writes
+    counts["directory_errors_total"] = its own view.errors. An adapter client made after an outage (0 errors)
+    and the base client (N errors) flip the shared key N -> 0 -> N; the one exporter exports +N at every flip
+    (negative deltas are dropped), so the directory's totals grow without bound."""
+    with RedisServer() as rs:
+        node = _node_with(rs.url, tmp_path, lookup_timeout_s=0.2)
+        a = b = None
+        try:
+            a = connect_local(SPEC, node)
+            os.kill(rs.proc.pid, signal.SIGSTOP)  # a directory outage while only the base client exists
+            try:
+                for _ in range(3):
+                    a.view.refresh(direct=True)
+            finally:
+                os.kill(rs.proc.pid, signal.SIGCONT)
+            errors = a.view.errors
+            assert errors >= 3
+            b = connect_local(SPEC, node)  # e.g. a LoRA adapter's client, made later
+            b.share_counts(a)
+            time.sleep(3.0)  # both refreshers flush telemetry every node_refresh_s
+            r = rs.connect()
+            total = int(r.hget("rv:{n}:totals", "directory_errors_total") or 0)
+            assert total <= errors, f"{errors} directory errors exported as {total}"
+        finally:
+            for c in (b, a):
+                if c is not None:
+                    c.close()
             node.shutdown()

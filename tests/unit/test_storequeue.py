@@ -41,7 +41,8 @@ def test_flush_waits_its_timeout_once_not_once_per_store_in_flight():
     assert q.flush(timeout_s=0.5) == 0
     took = time.monotonic() - t0
     assert took < 1.0, f"flush(0.5) took {took:.2f} s with 4 stores in flight"
-    assert counts["store_failures"] == 4
+    # not answered in time is not failed (it may land yet): left for a later flush, said as a flush timeout
+    assert counts["store_flush_timeouts"] == 4 and counts["store_failures"] == 0
 
 
 class AnswersWhenLetGo(Pending[int]):
@@ -110,3 +111,21 @@ def test_a_flush_counts_the_stores_answered_before_it_however_many_there_were():
     for i in range(20):
         assert q.submit(bytes([i]) * 16, [bytes([i, j]) * 8 for j in range(3)], [chunk()] * 3) == 3
     assert q.flush() == 60
+
+
+def test_a_short_flush_that_times_out_leaves_the_store_to_a_longer_one():
+    """Thread A's flush(0.2) timed out, dropped the reply and counted a failure; thread B's flush(20), waiting on
+    the same reply, read it (the node had stored 2 chunks) and then skipped it: 0 (found by review)."""
+    import threading
+
+    node = SlowNode()
+    counts: Counter = Counter()
+    q = StoreQueue(SPEC, node, counts)
+    assert q.submit(b"s" * 16, [b"s" * 16, b"t" * 16], [chunk(), chunk()]) == 2
+    got = {}
+    b = threading.Thread(target=lambda: got.setdefault("long", q.flush(timeout_s=20)))
+    b.start()
+    assert q.flush(timeout_s=0.2) == 0  # thread A gives up
+    node.go.set()
+    b.join(5)
+    assert got["long"] == 2 and counts["store_failures"] == 0

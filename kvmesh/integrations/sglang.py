@@ -76,6 +76,14 @@ from kvmesh.spec import KVFormat, KVSpec
 from kvmesh.storequeue import refusals
 
 log = logging.getLogger("kvmesh.sglang")
+# the generation counter, raised to at least ARGV[1] (what the caller knows), then by ARGV[2]: one atomic step
+_GEN_AT_LEAST = """
+local v = tonumber(redis.call('GET', KEYS[1]) or '0')
+if v < tonumber(ARGV[1]) then v = tonumber(ARGV[1]) end
+v = v + tonumber(ARGV[2])
+redis.call('SET', KEYS[1], v)
+return v
+"""
 
 # extra_config keys of this backend (SGLang's own keys, e.g. backend_name or interface_v1, pass through unchecked)
 OPTIONS: dict[str, Any] = {  # name -> what isinstance() accepts
@@ -374,8 +382,13 @@ class KVMeshStorage(HiCacheStorage):
                 self._gen_at = now
                 try:
                     assert client is not None, "registered"
-                    raw = client.directory.redis.get(self._gen_key())
+                    r = client.directory.redis
+                    raw = r.get(self._gen_key())
                     gen = int(raw) if raw is not None else 0
+                    if gen < self._generation:  # the directory forgot it (lost its data, or went back to an older
+                        # snapshot): put back what this engine knows, or a later clear would reuse a generation
+                        # whose pages the nodes still hold (and re-register after such a loss): cleared pages back
+                        gen = int(r.eval(_GEN_AT_LEAST, 1, self._gen_key(), self._generation, 0))
                 except Exception as e:  # Redis away: keep the last generation
                     self.counts["sglang_generation_errors"] += 1
                     log.debug("kvmesh: generation read failed: %s", e)
@@ -394,7 +407,7 @@ class KVMeshStorage(HiCacheStorage):
         try:
             r = self.client.directory.redis
             old = self._refresh_generation(force=True)
-            gen = int(r.incr(self._gen_key()))
+            gen = int(r.eval(_GEN_AT_LEAST, 1, self._gen_key(), self._generation, 1))  # (never one seen before)
             r.delete(self.client.directory.group_key(old))
             with self._gen_lock:
                 self._generation, self._group = gen, generation_group(self._root, gen)

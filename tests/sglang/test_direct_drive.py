@@ -255,6 +255,36 @@ def test_clear_forgets_the_pages_cluster_wide(sgl_cluster):
     ray.kill(eb)
 
 
+def test_a_generation_the_directory_forgot_is_never_reused(sgl_cluster, redis_server):
+    """`clear` moves to a new generation; the counter lives in Redis. A Redis that lost it (its data, or an older
+    snapshot) sent every engine back to generation 0, whose pages the nodes still held and re-register after such
+    a loss (cleared pages back), and the next clear reused generation 1. An engine that knows a later generation
+    puts it back, and a clear never takes a number seen before."""
+    import redis
+
+    cluster, _ = sgl_cluster
+    _, a, b = cluster.node_ids()
+    ea, eb = engine_on(a, seed=8, model="tiny-gen@r1"), engine_on(b, seed=9, model="tiny-gen@r1")
+    keys = keys_for("doc8", 2)
+    assert ray.get(ea.write.remote(keys, 0), timeout=120)[0] == [True] * 2
+    ray.get(ea.call.remote("clear"), timeout=60)
+    key = ray.get(ea.call.remote("_gen_key"), timeout=60)
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        gen = int(r.get(key))
+        assert gen >= 1
+        r.delete(key)  # the directory forgets it
+        # A's next refresh (within generation_refresh_s) puts back the generation it knows
+        wait_until(lambda: ray.get(ea.call.remote("batch_exists", keys), timeout=60) == 0
+                   and int(r.get(key) or 0) == gen, 10)
+        ray.get(eb.call.remote("clear"), timeout=60)  # B never saw A's clear: still, no generation is reused
+        assert int(r.get(key)) == gen + 1
+    finally:
+        r.close()
+        ray.kill(ea)
+        ray.kill(eb)
+
+
 def test_a_dead_holder_node_gives_misses_not_errors(sgl_cluster, engines):
     # last in the module: removes node A. B's reads of A's pages become misses (False entries, 0 hits), are
     # counted, and B keeps working on its own pages.

@@ -256,7 +256,7 @@ class Directory:
         try:
             info = (primaries_info(self._redis) or [{}])[0]
             return int(str(info.get("redis_version", "0")).split(".")[0])
-        except (redis.RedisError, ValueError, StopIteration):
+        except (redis.RedisError, ValueError):
             return 0
 
     def server_identity(self) -> str:

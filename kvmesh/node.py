@@ -122,9 +122,9 @@ class KVNode:
         self.lock = threading.Lock()  # guards the cascade (tiers), the pins and the stats
         # pin id -> (slab slots, GPU-tier slots, monotonic deadline)
         self._pins: dict[int, tuple[list[int], list[int], float]] = {}
+        self._pulling: Counter[bytes] = Counter()  # keys -> pull-throughs between their start and their pin
         # from a random start: an unpin a client meant for this node's previous process (Ray restarted it under the
         # same handle) must not release a pin of this one
-        self._pulling: Counter[bytes] = Counter()  # keys -> pull-throughs between their start and their pin
         self._pin_ids = itertools.count(secrets.randbits(48) + 1)
         cfg = self.config
         os.makedirs(cfg.shm_dir, exist_ok=True)

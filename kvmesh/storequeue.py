@@ -65,8 +65,11 @@ class StoreQueue:
             return 0
         with self._lock:
             if len(self._pending) + self._staging_jobs >= MAX_INFLIGHT:  # (only then: a look costs a Ray call each)
-                done = [p for p in self._pending if p.done()]
-                self._pending = [p for p in self._pending if not any(p is d for d in done)]
+                done: list[Pending[int]] = []
+                waiting: list[Pending[int]] = []
+                for p in self._pending:
+                    (done if p.done() else waiting).append(p)
+                self._pending = waiting
                 self._settled += sum(self._read(p) for p in done)  # (answered: their counts are kept)
             busy = len(self._pending) + self._staging_jobs >= MAX_INFLIGHT
         if busy:
@@ -264,7 +267,6 @@ class StoreQueue:
                 self.counts["store_flush_timeouts"] += 1
             except (NodeCallError, WireError, OSError) as e:
                 results.append((p, 0, e))
-        stored = 0
         with self._lock:
             stored, self._settled = self._settled, 0
             for p, n, error in results:

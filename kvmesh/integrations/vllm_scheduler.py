@@ -31,13 +31,12 @@ gives the cost model's plan), and one more for a group whose window moved when a
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvmesh.integrations.vllm_clients import EngineClients
 from kvmesh.integrations.vllm_meta import LoadJob, SaveJob, StepMeta, WorkerReport
 from kvmesh.integrations.vllm_options import ConnectorOptions, lora_identity, request_salt
 from kvmesh.match import Match
@@ -88,11 +87,8 @@ class SchedulerSide:
         self.per_chunk = self.chunk // block_size
         self.load = kv_role in ("kv_both", "kv_consumer")
         self.save = kv_role in ("kv_both", "kv_producer")
-        self._connect = connect  # spec -> KVMeshClient
-        # (LoRA adapter, group) -> a KVMeshClient (what `connect` makes: tests give their own)
-        self._clients: dict[tuple[str | None, int], Any] = {(None, 0): connect(spec)}
-        self._clients_lock = threading.Lock()
-        self.counts = self._clients[(None, 0)].counts  # shared by every client of this side (one per LoRA adapter
+        self._clients = EngineClients(self.specs, connect, share_cost=True)
+        self.counts = self._clients.base.counts  # shared by every client of this side (one per LoRA adapter
         # and group)
         self._reqs: dict[str, _Request] = {}
         self._loads: list[LoadJob] = []  # planned since the last step was built
@@ -103,19 +99,7 @@ class SchedulerSide:
         self._directory_down_until = 0.0  # after a failed lookup, new requests skip kvmesh until then
 
     def client(self, lora_id: str | None, group: int = 0):
-        c = self._clients.get((lora_id, group))
-        if c is None:
-            with self._clients_lock:  # (the engine's thread, the loader and the saver ask at once: one client each)
-                c = self._clients.get((lora_id, group))
-                if c is None:
-                    c = self._connect(replace(self.specs[group], lora_id=lora_id))
-                    if hasattr(c, "share_counts"):  # (a KVMeshClient; tests' stand-ins share the Counter)
-                        c.share_counts(self._clients[(None, 0)])
-                    else:
-                        c.counts = self.counts
-                    c.cost = self._clients[(None, 0)].cost  # an adapter barely changes the prefill and not the links
-                    self._clients[(lora_id, group)] = c
-        return c
+        return self._clients.get(lora_id, group)
 
     # -- lookup ---------------------------------------------------------------------------------------------------
     def _track(self, request) -> _Request:
@@ -396,7 +380,7 @@ class SchedulerSide:
             if st is not None:
                 st.loading = False
         if report is not None:
-            client = self._clients[(None, 0)]
+            client = self._clients.base
             for req_id, node in report.failed_loads:
                 st = self._reqs.get(req_id)
                 if st is not None:
@@ -429,5 +413,5 @@ class SchedulerSide:
         return st.loading or st.had_save
 
     def close(self) -> None:
-        for c in self._clients.values():
+        for c in self._clients.all():
             c.close()

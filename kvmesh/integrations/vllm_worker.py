@@ -28,13 +28,12 @@ import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import torch
 
 from kvmesh.cudart import side_stream
+from kvmesh.integrations.vllm_clients import EngineClients
 from kvmesh.integrations.vllm_loader import WAIT_SLACK_S, Load, Loader, SyncBatch
 from kvmesh.integrations.vllm_meta import SaveJob, StepMeta, WorkerReport
 from kvmesh.paged import HeadMajorCodec, LearnedCodec, SplitKVCodec, gather_chunks, learn_codec
@@ -101,11 +100,8 @@ class WorkerSide:
         self.chunk = spec.chunk_tokens
         self.per_chunk = self.chunk // block_size
         self.save = kv_role in ("kv_both", "kv_producer")
-        self._connect = connect
-        # (LoRA adapter, group) -> a KVMeshClient (what `connect` makes: tests give their own)
-        self._clients: dict[tuple[str | None, int], Any] = {(None, 0): connect(spec)}
-        self._clients_lock = threading.Lock()
-        self.counts: Counter[str] = self._clients[(None, 0)].counts
+        self._clients = EngineClients(self.specs, connect)
+        self.counts: Counter[str] = self._clients.base.counts
         self._layer_names = [list(names) for names in layer_names]
         self.layers: list[torch.Tensor] = []  # every attention layer's cache, in model layer order
         self.layer_pos: list[tuple[int, int]] = []  # position in `layers` -> (group, index in the group)
@@ -139,18 +135,7 @@ class WorkerSide:
         self._saver.start()
 
     def client(self, lora_id: str | None, group: int = 0):
-        c = self._clients.get((lora_id, group))
-        if c is None:
-            with self._clients_lock:  # (the engine's thread, the loader and the saver ask at once: one client each)
-                c = self._clients.get((lora_id, group))
-                if c is None:
-                    c = self._connect(replace(self.specs[group], lora_id=lora_id))
-                    if hasattr(c, "share_counts"):  # (a KVMeshClient; tests' stand-ins share the Counter)
-                        c.share_counts(self._clients[(None, 0)])
-                    else:
-                        c.counts = self.counts
-                    self._clients[(lora_id, group)] = c
-        return c
+        return self._clients.get(lora_id, group)
 
     def count(self, key: str, n: int = 1) -> None:
         with self.mu:
@@ -455,7 +440,7 @@ class WorkerSide:
             import ray
         except ImportError:  # a worker driven without Ray (the GPU machine's tests)
             ray = None
-        for c in self._clients.values():
+        for c in self._clients.all():
             try:
                 if ray is not None and ray.is_initialized():  # at interpreter exit Ray may be gone already
                     c.flush(timeout_s=5)

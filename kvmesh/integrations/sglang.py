@@ -24,7 +24,8 @@ SGLang's page key into kvmesh's own namespace, so engines whose specs differ nev
 keys say. Byte layout (written down once):
 
     root  = hashing.root_hash(spec.namespace, cache_salt)
-    gen   = the generation of (spec, salt): an integer in Redis at  P:sglang:{<root hex>}:gen  (absent = 0)
+    gen   = the generation of (spec, salt): an integer in Redis at  P:sglang:{<root hex>}:gen  (created at a random
+            number: see _GEN_AT_LEAST)
     group = BLAKE2b-128(root ‖ gen as <u8,                        person=b"kvmesh.sglgrp")
     key_i = BLAKE2b-128(group ‖ SGLang page key i as UTF-8,       person=b"kvmesh.sglang")
 
@@ -61,6 +62,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 from collections import Counter
@@ -76,14 +78,24 @@ from kvmesh.spec import KVFormat, KVSpec
 from kvmesh.storequeue import refusals
 
 log = logging.getLogger("kvmesh.sglang")
-# the generation counter, raised to at least ARGV[1] (what the caller knows), then by ARGV[2]: one atomic step
+# the generation counter, raised to at least ARGV[1] (what the caller knows), then by ARGV[2]: one atomic step. A
+# counter that is not there starts at ARGV[3], a random number (GEN_START): a Redis that lost the counter (its data)
+# while every engine that knew it restarted must not send them back to a generation the nodes still hold pages of
+# from before a clear (they re-register everything they hold after such a loss). So a generation is never 0 either.
 _GEN_AT_LEAST = """
-local v = tonumber(redis.call('GET', KEYS[1]) or '0')
+local v = tonumber(redis.call('GET', KEYS[1]) or ARGV[3])
 if v < tonumber(ARGV[1]) then v = tonumber(ARGV[1]) end
 v = v + tonumber(ARGV[2])
 redis.call('SET', KEYS[1], v)
 return v
 """
+GEN_START = 1 << 40  # a missing counter starts at a random number in [1, GEN_START] (exact in Lua's doubles and in
+# every number-to-string conversion Redis's Lua makes; a clash with one earlier generation: 2^-40)
+
+
+def _gen_start() -> int:
+    return 1 + secrets.randbelow(GEN_START)
+
 
 # extra_config keys of this backend (SGLang's own keys, e.g. backend_name or interface_v1, pass through unchecked)
 OPTIONS: dict[str, Any] = {  # name -> what isinstance() accepts
@@ -257,6 +269,11 @@ def pool_feature(name: str) -> str:
     return f"an extra KV pool {name!r}"
 
 
+def generation_key(key_prefix: str, root: bytes) -> str:
+    """The Redis key of the generation counter of (spec, salt) `root` (see the module docstring)."""
+    return f"{key_prefix}:sglang:{{{root.hex()}}}:gen"
+
+
 def generation_group(root: bytes, generation: int) -> bytes:
     return hashlib.blake2b(
         root + generation.to_bytes(8, "little"), digest_size=HASH_BYTES, person=b"kvmesh.sglgrp"
@@ -368,7 +385,7 @@ class KVMeshStorage(HiCacheStorage):
     # -- generation (clear) ---------------------------------------------------------------------------------------
     def _gen_key(self) -> str:
         assert self.client is not None, "registered"
-        return f"{self.client.config.key_prefix}:sglang:{{{self._root.hex()}}}:gen"
+        return generation_key(self.client.config.key_prefix, self._root)
 
     def _refresh_generation(self, force: bool = False) -> bytes:
         """The directory group of the current generation, re-read at most every `generation_refresh_s`."""
@@ -384,11 +401,15 @@ class KVMeshStorage(HiCacheStorage):
                     assert client is not None, "registered"
                     r = client.directory.redis
                     raw = r.get(self._gen_key())
-                    gen = int(raw) if raw is not None else 0
+                    if raw is None:  # a new spec and salt, or a directory that lost the counter: the generation
+                        # this engine knows (put back), else a random start
+                        start = self._generation or _gen_start()
+                        raw = r.eval(_GEN_AT_LEAST, 1, self._gen_key(), self._generation, 0, start)
+                    gen = int(raw)
                     if gen < self._generation:  # the directory forgot it (lost its data, or went back to an older
                         # snapshot): put back what this engine knows, or a later clear would reuse a generation
                         # whose pages the nodes still hold (and re-register after such a loss): cleared pages back
-                        gen = int(r.eval(_GEN_AT_LEAST, 1, self._gen_key(), self._generation, 0))
+                        gen = int(r.eval(_GEN_AT_LEAST, 1, self._gen_key(), self._generation, 0, _gen_start()))
                 except Exception as e:  # Redis away: keep the last generation
                     self.counts["sglang_generation_errors"] += 1
                     log.debug("kvmesh: generation read failed: %s", e)
@@ -407,7 +428,8 @@ class KVMeshStorage(HiCacheStorage):
         try:
             r = self.client.directory.redis
             old = self._refresh_generation(force=True)
-            gen = int(r.eval(_GEN_AT_LEAST, 1, self._gen_key(), self._generation, 1))  # (never one seen before)
+            # (never a generation seen before)
+            gen = int(r.eval(_GEN_AT_LEAST, 1, self._gen_key(), self._generation, 1, _gen_start()))
             r.delete(self.client.directory.group_key(old))
             with self._gen_lock:
                 self._generation, self._group = gen, generation_group(self._root, gen)

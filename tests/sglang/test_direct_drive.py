@@ -285,6 +285,40 @@ def test_a_generation_the_directory_forgot_is_never_reused(sgl_cluster, redis_se
         ray.kill(eb)
 
 
+def test_engines_that_all_restarted_after_redis_lost_the_counter_never_meet_cleared_pages(sgl_cluster, redis_server):
+    """Pages written, then cleared (a weight update): the nodes still hold their bytes until evicted. Redis then
+    loses its data (here: the generation counter and the directory's epoch, so every node re-joins and registers
+    all it holds again, the cleared pages' group too) and every engine that knew the generation restarts. Before,
+    a missing counter read as generation 0: the new engines were back in the cleared pages' generation, and read
+    KV of the old weights. A counter that is not there now starts at a random number."""
+    import redis
+
+    cluster, _ = sgl_cluster
+    _, a, b = cluster.node_ids()
+    model = "tiny-lost@r1"
+    ec = engine_on(a, seed=10, model=model)
+    keys = keys_for("doc9", 2)
+    assert ray.get(ec.write.remote(keys, 0), timeout=120)[0] == [True] * 2
+    old = ray.get(ec.call.remote("_refresh_generation", True), timeout=60)
+    gen_key = ray.get(ec.call.remote("_gen_key"), timeout=60)
+    prefix = gen_key.split(":sglang:")[0]
+    ray.get(ec.call.remote("clear"), timeout=60)
+    ray.kill(ec)
+    r = redis.Redis.from_url(redis_server.url)
+    old_group = f"{prefix}:g:{{{old.hex()}}}"
+    try:
+        assert not r.exists(old_group)  # clear deleted it
+        r.delete(gen_key, f"{prefix}:{{n}}:epoch")  # the directory lost its data: nodes re-join and re-register
+        wait_until(lambda: r.exists(old_group), 20)  # the cleared pages are listed again
+        ed = engine_on(b, seed=11, model=model)  # a restarted engine of the same model
+        out = ray.get(ed.read.remote(keys), timeout=120)
+        assert out["exists"] == 0 and out["ok"] == [False, False]
+        assert ray.get(ed.call.remote("_refresh_generation", True), timeout=60) != old
+        ray.kill(ed)
+    finally:
+        r.close()
+
+
 def test_a_dead_holder_node_gives_misses_not_errors(sgl_cluster, engines):
     # last in the module: removes node A. B's reads of A's pages become misses (False entries, 0 hits), are
     # counted, and B keeps working on its own pages.

@@ -165,9 +165,9 @@ def test_generate_flush_generate_reads_the_prefix_from_kvmesh_with_identical_out
     assert ea.generate(prompt(98, PROMPT - 40) + p[-40:])["ids"] != first["ids"]
 
 
-def page_spec_and_keys(model_dir: str, ids: list[int]):
-    """The spec A's backend derives and the kvmesh keys of the prompt's full pages, rebuilt here from SGLang's own
-    page hashing: what the directory must list once SGLang has backed the prompt up."""
+def page_spec_and_keys(model_dir: str, ids: list[int], generation: int = 0):
+    """The spec A's backend derives and the kvmesh keys of the prompt's full pages in `generation`, rebuilt here
+    from SGLang's own page hashing: what the directory must list once SGLang has backed the prompt up."""
     from kvmesh.hashing import root_hash
     from kvmesh.integrations.identity import local_model_id
     from kvmesh.integrations.sglang import generation_group, page_keys, sglang_kv_format
@@ -176,15 +176,20 @@ def page_spec_and_keys(model_dir: str, ids: list[int]):
 
     spec = KVSpec(local_model_id(model_dir), 4, 2, 64, "bfloat16", chunk_tokens=16,
                   kv_format=sglang_kv_format("layer_first"))
-    group = generation_group(root_hash(spec.namespace), 0)
+    group = generation_group(root_hash(spec.namespace), generation)
     return spec, group, page_keys(group, get_hash_str(ids[:STORAGE_PAGES_MAX], None, page_size=16))
 
 
 def listed_pages(model_dir: str, ids: list[int]) -> int:
     import kvmesh
 
-    spec, group, keys = page_spec_and_keys(model_dir, ids)
-    with kvmesh.connect(spec) as c:
+    from kvmesh.hashing import root_hash
+    from kvmesh.integrations.sglang import generation_key
+
+    spec, _, _ = page_spec_and_keys(model_dir, ids)
+    with kvmesh.connect(spec) as c:  # (the engines' generation: a random number the first engine set)
+        gen = c.directory.redis.get(generation_key(c.config.key_prefix, root_hash(spec.namespace)))
+        _, group, keys = page_spec_and_keys(model_dir, ids, int(gen or 0))
         return c.lookup_keys(group, keys).num_chunks
 
 

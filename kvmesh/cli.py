@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--nodes", type=int, default=3)
     sv.add_argument("--port", type=int, default=8266)
     sv.add_argument("--config")
-    sv.set_defaults(func=lambda a: _operate().supervise(a.config, a.nodes, a.port))
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.set_defaults(func=lambda a: _operate().supervise(a.config, a.nodes, a.port, a.host))
     return p
 
 
@@ -98,7 +99,14 @@ def _up(a) -> int:
         return 2
     if a.address:
         return _operate().up_join(a.address, a.config, a.redis_url, a.host, a.port)
-    return _operate().up_local(a.config, a.nodes, a.port)
+    if a.redis_url:  # a local `up` runs its own embedded Redis: the URL would be dropped without a word
+        print(
+            "kvmesh up: --redis-url needs --address (a local kvmesh up starts its own Redis; to use yours, start "
+            "a Ray cluster and run kvmesh up --address auto --redis-url ...)",
+            file=sys.stderr,
+        )
+        return 2
+    return _operate().up_local(a.config, a.nodes, a.port, host=a.host)
 
 
 def _bench(a) -> int:

@@ -200,6 +200,9 @@ class KVMeshClient:
         cached (no plan; a cached prefix counts as a hit, never as the cost model's miss). `count=False`: not
         counted as a lookup, hit, miss or plan (an engine asking again about a request it already looked up)."""
         self._check_open("lookup")
+        _check_flag("allow_split", allow_split)
+        _check_flag("cost_model", cost_model)
+        _check_flag("count", count)
         toks = as_tokens(tokens)
         if max_chunks is not None and (
             isinstance(max_chunks, bool) or not isinstance(max_chunks, (int, np.integer)) or max_chunks < 0
@@ -304,6 +307,9 @@ class KVMeshClient:
         the tokens it delivered, local or peer, whoever called it (the raw API, hf, SGLang), and the reuse given
         here is not added again: only `recomputed` is. A client made with `count_fetches=False` (vLLM's: its
         workers fetch per TP rank and per KV group, and the scheduler knows the request) counts reuse here."""
+        for name, n in (("reused_local", reused_local), ("reused_peer", reused_peer), ("recomputed", recomputed)):
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+                raise ValueError(f"{name} must be a non-negative int (tokens), got {n!r}")
         if not self.count_fetches:
             self.counts["reused_tokens_local"] += reused_local
             self.counts["reused_tokens_peer"] += reused_peer
@@ -322,6 +328,8 @@ class KVMeshClient:
             raise TypeError(f"match must be a kvmesh Match from lookup(), got {type(match).__name__}")
         if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, (int, np.integer)) or prompt_tokens < 0:
             raise ValueError(f"prompt_tokens must be a non-negative int, got {prompt_tokens!r}")
+        _check_flag("allow_split", allow_split)
+        _check_flag("count", count)
         links = [self._link(ch.holders[0]) for ch in match.chunks]
         plan = self.cost.plan(
             prompt_tokens, self.spec.chunk_tokens, self.spec.chunk_bytes, links, allow_split=allow_split
@@ -604,6 +612,7 @@ class KVMeshClient:
         caller will never write `kv` again (a tensor made for this store), so a GPU store reads it as it is,
         without that copy (and its device memory)."""
         self._check_open("store")
+        _check_flag("handover", handover)
         toks = as_tokens(tokens)
         kv = self._check_kv(kv, len(toks))
         hashes = chunk_hashes(self.spec.namespace, toks, self.spec.chunk_tokens, self._salt(cache_salt))
@@ -668,6 +677,7 @@ class KVMeshClient:
         directory group `group`. Pure read, one round trip; no cost-model plan (the engine decides). `count=False`:
         not counted as a lookup, hit or miss (an engine asking again about keys it already looked up)."""
         self._check_open("lookup_keys")
+        _check_flag("count", count)
         self._check_keys(group, keys)
         holders, why = self._prefix(group, keys)
         chunks = tuple(ChunkMatch(k, hs) for k, hs in zip(keys, holders))
@@ -684,6 +694,8 @@ class KVMeshClient:
         self._check_open("store_keys")
         self._check_keys(group, keys)
         s = self.spec
+        if not isinstance(chunks, (list, tuple)) and not (isinstance(chunks, torch.Tensor) and chunks.dim() >= 1):
+            raise TypeError(f"chunks must be a list or tuple of tensors (one per key), got {type(chunks).__name__}")
         if len(chunks) != len(keys):
             raise ValueError(f"chunks has {len(chunks)} entries for {len(keys)} keys")
         for c in chunks:
@@ -851,6 +863,12 @@ def _check_directory(cfg: KVMeshConfig, node_cfg: KVMeshConfig) -> None:
         )
 
 
+def _check_flag(name: str, value) -> None:
+    """A flag argument is True or False: a string such as "no" is truthy, and would turn the option on."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def connect(
     spec: KVSpec,
     redis_url: str | None = None,
@@ -873,6 +891,8 @@ def connect(
         raise ValueError(f"node_id must be a Ray node id (hex string), got {node_id!r}")
     if not isinstance(count_fetches, bool):
         raise TypeError(f"count_fetches must be True or False, got {count_fetches!r}")
+    if config is not None and not isinstance(config, KVMeshConfig):  # (a dict of options goes in **options)
+        raise TypeError(f"config must be a kvmesh.KVMeshConfig, got {type(config).__name__}")
     client_salt(cache_salt)
     from kvmesh.mesh import _require_ray
 

@@ -275,7 +275,13 @@ def parse_size(text) -> int:
 
 
 def _convert(name: str, value, typ, where: str):
-    # `typ`: a dataclass field's type, which `from __future__ import annotations` keeps as its string
+    # `typ`: a dataclass field's type, which `from __future__ import annotations` keeps as its string. A YAML value
+    # of another type is refused, not coerced: `io_threads: 2.5` is no thread count, `lease_s: true` no duration
+    # and `key_prefix: [a]` no prefix (they read as 2, 1.0 and "['a']")
+    if isinstance(value, (list, dict)) or (isinstance(value, bool) and typ != "bool"):
+        raise ValueError(f"{where}: not a{'n' if typ == 'int' else ''} {typ}: {value!r}")
+    if typ == "int" and isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{where}: not an integer: {value!r}")
     try:
         if typ == "int":
             return parse_size(value) if name.endswith(("_bytes", "_bytes_per_s")) else int(value)

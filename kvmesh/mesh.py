@@ -52,6 +52,8 @@ def start(
     nodes get one). `options` are `KVMeshConfig` fields, e.g. `cpu_bytes=`, `slot_bytes=`, `lease_s=`. Raises
     `kvmesh.DirectoryUnavailable` (a `ConnectionError`) within about 2 x `lease_s` when the directory does not
     answer, refuses AUTH or is not Redis."""
+    if config is not None and not isinstance(config, KVMeshConfig):  # (a dict of options goes in **options)
+        raise TypeError(f"config must be a kvmesh.KVMeshConfig, got {type(config).__name__}")
     ray = _require_ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

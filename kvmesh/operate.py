@@ -48,7 +48,9 @@ def _alive(pid: int) -> bool:
 
 
 # -- up ------------------------------------------------------------------------------------------------------------
-def up_local(config_path: str | None, nodes: int, port: int, timeout_s: float = 180.0, out=print) -> int:
+def up_local(
+    config_path: str | None, nodes: int, port: int, timeout_s: float = 180.0, out=print, host: str = "127.0.0.1"
+) -> int:
     from kvmesh.config import KVMeshConfig
     from kvmesh.local import redis_server_binary
 
@@ -64,7 +66,7 @@ def up_local(config_path: str | None, nodes: int, port: int, timeout_s: float = 
     state_dir().mkdir(parents=True, exist_ok=True)
     state_file().unlink(missing_ok=True)
     log = open(state_dir() / "up.log", "w")
-    cmd = [sys.executable, "-m", "kvmesh.cli", "_supervise", "--nodes", str(nodes), "--port", str(port)]
+    cmd = [sys.executable, "-m", "kvmesh.cli", "_supervise", "--nodes", str(nodes), "--port", str(port), "--host", host]
     if config_path:
         cmd += ["--config", config_path]
     proc = subprocess.Popen(
@@ -90,7 +92,7 @@ def up_local(config_path: str | None, nodes: int, port: int, timeout_s: float = 
     return 1
 
 
-def supervise(config_path: str | None, nodes: int, port: int) -> int:
+def supervise(config_path: str | None, nodes: int, port: int, host: str = "127.0.0.1") -> int:
     """The background process of `kvmesh up`: owns every process it starts and stops them on SIGTERM."""
     import threading
 
@@ -109,7 +111,7 @@ def supervise(config_path: str | None, nodes: int, port: int) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         mesh = kvmesh.start(config=cfg.replace(redis_url=redis_server.url))
-        dash = Dashboard(redis_server.url, cfg.key_prefix, port=port).start()
+        dash = Dashboard(redis_server.url, cfg.key_prefix, host=host, port=port).start()
         state = {
             "pid": os.getpid(),
             "ray_address": cluster.address,

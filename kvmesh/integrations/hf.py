@@ -223,10 +223,15 @@ def _decoder(cfg) -> tuple[int, int]:
 
 
 def _geometry(model, tp_size: int = 1) -> tuple[int, int, int, str]:
-    """(layers, kv heads per rank, head dim, dtype) of the model's KV, from its config."""
+    """(layers, kv heads per rank, head dim, dtype) of the model's KV, from its config. `tp_size` must split the KV
+    heads evenly (ValueError naming it otherwise: a rank's shard would be a guess)."""
     cfg = model.config
     layers, heads = _decoder(cfg)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    if kv_heads % tp_size:
+        raise ValueError(f"tp_size {tp_size} does not divide the model's {kv_heads} KV heads evenly")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return layers, kv_heads // tp_size, head_dim, dtype

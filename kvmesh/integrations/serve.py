@@ -88,6 +88,18 @@ def router_config(
     _check_eps(eps)
     _check_min_cap(min_cap)
     client_salt(cache_salt)  # (the router's client's salt: refused here, not at its first connect)
+    # ... and so are a prefill rate no route() takes, a URL that is no string and an option kvmesh.connect does not
+    # know: in the router's process they failed every request's route, or its connect, far from this call
+    rate = prefill_tokens_per_s
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf):
+        raise ValueError(f"prefill_tokens_per_s must be a positive number, got {rate!r}")
+    if redis_url is not None and not isinstance(redis_url, str):
+        raise TypeError(f"redis_url must be a str or None, got {type(redis_url).__name__}")
+    from kvmesh.config import KVMeshConfig
+
+    unknown = sorted(set(options) - set(KVMeshConfig.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"unknown kvmesh option(s): {', '.join(unknown)}")
     kwargs = dict(
         spec=spec.canonical_bytes().hex(),
         eps=float(eps),

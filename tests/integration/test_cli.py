@@ -52,3 +52,27 @@ def test_bad_configuration_is_one_clear_error(tmp_path):
     cfg.write_text("lease_s: 2\nheartbeat_s: 1.5\n")
     r = kvmesh("up", "--config", str(cfg), env=dict(os.environ, KVMESH_STATE_DIR=str(tmp_path)), timeout=60)
     assert r.returncode == 2 and "heartbeat_s" in r.stderr
+
+
+def test_up_without_address_refuses_a_redis_url_it_would_not_use(tmp_path):
+    """A local `kvmesh up` starts its own embedded Redis: `--redis-url` was dropped without a word, and the user's
+    workers, pointed at their own Redis, never met the KVNodes' directory."""
+    env = dict(os.environ, KVMESH_STATE_DIR=str(tmp_path))
+    try:
+        r = kvmesh("up", "--redis-url", "redis://127.0.0.1:1/0", env=env)
+        assert r.returncode == 2 and "--redis-url needs --address" in r.stderr and "Traceback" not in r.stderr
+        assert not (tmp_path / "up.log").exists()  # nothing was started
+    finally:
+        kvmesh("down", env=env)  # (before the fix: a local kvmesh with its own Redis was up)
+
+
+def test_up_local_serves_the_live_page_on_host(tmp_path):
+    """`--host` (the address the live page listens on) was dropped by a local `kvmesh up`: the page was always on
+    127.0.0.1. (127.0.0.2: another loopback address, so the test listens nowhere else.)"""
+    env = dict(os.environ, KVMESH_STATE_DIR=str(tmp_path))
+    r = kvmesh("up", "--nodes", "1", "--port", "0", "--host", "127.0.0.2", env=env)
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "live page    http://127.0.0.2:" in r.stdout, r.stdout
+    finally:
+        kvmesh("down", env=env)

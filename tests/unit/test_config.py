@@ -58,3 +58,26 @@ def test_a_config_of_a_later_release_with_more_options_is_read(caplog):
         hello = NodeHello.unpack(msgpack.packb(o, use_bin_type=True))
     assert hello.config == cfg and hello.info.incarnation == 3
     assert "an_option_of_the_next_release" in caplog.text
+
+
+@pytest.mark.parametrize("text,option", [("io_threads: 2.5", "io_threads"), ("io_threads: true", "io_threads"),
+                                         ("pin_ttl_s: true", "pin_ttl_s"), ("key_prefix: [a]", "key_prefix"),
+                                         ("shm_dir: {a: 1}", "shm_dir"), ("redis_url: false", "redis_url"),
+                                         ("cpu_bytes: true", "cpu_bytes")])
+def test_a_config_file_value_of_the_wrong_type_is_refused_not_coerced(tmp_path, text, option):
+    """`io_threads: 2.5` loaded as 2, `pin_ttl_s: true` as 1.0 and `key_prefix: [a]` as the prefix "['a']" (every
+    key then under `['a']:`, where `kvmesh status --key-prefix a` finds nothing): the constructor refuses a bool
+    or a string of the wrong type, the file did not."""
+    path = tmp_path / "kvmesh.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ValueError, match=option):
+        KVMeshConfig.load(str(path), env={})
+
+
+def test_a_config_file_of_well_typed_values_still_loads(tmp_path):
+    path = tmp_path / "kvmesh.yaml"
+    path.write_text("io_threads: 4\nlease_s: 6\nheartbeat_s: 1.5\ncpu_bytes: 1.5GiB\nkey_prefix: 123\n"
+                    "promote_on_hit: no\ncoalesce_pulls: true\nslot_bytes: 1048576\nio_threads: 3.0\n")
+    cfg = KVMeshConfig.load(str(path), env={})
+    assert (cfg.io_threads, cfg.lease_s, cfg.cpu_bytes, cfg.key_prefix) == (3, 6.0, 3 << 29, "123")
+    assert cfg.promote_on_hit is False and cfg.coalesce_pulls is True and cfg.slot_bytes == 1 << 20

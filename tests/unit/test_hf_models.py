@@ -150,3 +150,14 @@ def test_the_same_weights_under_another_config_that_changes_kv_get_another_spec(
     c = tf.LlamaForCausalLM(tf.LlamaConfig(**base, attn_implementation="eager")).eval()  # same K/V: same spec
     c.load_state_dict(a.state_dict())
     assert spec_for_model(a, chunk_tokens=8) == spec_for_model(c, chunk_tokens=8)
+
+
+@pytest.mark.parametrize("tp_size", [0, -1, 3, "2", 2.0, True])
+def test_a_tp_size_that_does_not_split_the_kv_heads_is_refused_naming_it(tp_size):
+    """4 KV heads: tp_size 0 raised ZeroDivisionError out of spec_for_model, "2" a TypeError about `//`, and 3 gave
+    a spec of 1 KV head per rank (4 // 3): a shard geometry no rank holds, accepted without a word."""
+    m = tiny_llama(seed=1, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
+                   intermediate_size=128, initializer_range=0.2)
+    with pytest.raises(ValueError, match="tp_size"):
+        spec_for_model(m, model_id="m@1", chunk_tokens=8, tp_size=tp_size)
+    assert spec_for_model(m, model_id="m@1", chunk_tokens=8, tp_size=2, tp_rank=1).num_kv_heads == 2

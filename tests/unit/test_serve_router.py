@@ -103,3 +103,20 @@ def test_router_config_carries_a_json_safe_spec_and_checks_eps():
         router_config(s, min_cap=0)
     with pytest.raises(TypeError, match="spec"):
         router_config("m")
+
+
+def test_router_config_refuses_what_the_router_could_never_use():
+    """router_config took any prefill_tokens_per_s, redis_url and options. They are used in the router's process
+    only: a rate route() refuses raised ValueError out of every request's choose_replicas, and an option name
+    kvmesh.connect does not know raised TypeError out of the router's initialize_state (its _try_connect catches
+    ValueError and connection errors only). Refused here, naming the argument, as eps and min_cap are."""
+    s = KVSpec("m", 2, 2, 16, "bfloat16")
+    for rate in (0, -1, float("nan"), float("inf"), "fast", True):
+        with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+            router_config(s, prefill_tokens_per_s=rate)
+    with pytest.raises(TypeError, match="redis_url"):
+        router_config(s, redis_url=6379)
+    with pytest.raises(TypeError, match="lease_z"):
+        router_config(s, lease_z=5.0)
+    cfg = router_config(s, prefill_tokens_per_s=8000, redis_url="redis://127.0.0.1:6379/0", lookup_timeout_s=0.2)
+    assert cfg.request_router_kwargs["options"] == {"lookup_timeout_s": 0.2}

@@ -438,6 +438,8 @@ class KVMeshClient:
         (load or None, chunks in it); call `load.release()` when done (it unpins the slab chunks), or use the load
         as a context manager; `close()` releases those still held."""
         self._check_match(match)
+        if isinstance(min_copy_bytes, bool) or not isinstance(min_copy_bytes, (int, np.integer)) or min_copy_bytes < 0:
+            raise ValueError(f"min_copy_bytes must be a non-negative int, got {min_copy_bytes!r}")
         opts = self._options(match, deadline_s)
         device = _device(device)
         load, n = self._run(match, self._device_sink(device, min_copy_bytes), opts, device)
@@ -505,6 +507,8 @@ class KVMeshClient:
     def scratch(self, num_tokens: int) -> torch.Tensor:
         """A reusable, already-touched CPU buffer for `fetch(..., out=)`, valid until the next call: for callers
         that copy the fetched KV elsewhere at once (a fresh allocation's page faults cost as much as the copy)."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         buf = self._scratch
         if buf is None or buf.shape[2] < num_tokens:
             grown = max(num_tokens, 2 * buf.shape[2] if buf is not None else 0)

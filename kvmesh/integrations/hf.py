@@ -164,7 +164,9 @@ def _bidirectional(model) -> str:
 def check_supported(model) -> None:
     """Raises `UnsupportedModel`, naming the model type and what it has, unless every decoder layer keeps plain
     per-token K/V of one shape."""
-    cfg = model.config
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "parameters"):
+        raise TypeError(f"model must be a transformers model (with .config), got {type(model).__name__}")
     kind = getattr(cfg, "model_type", type(model).__name__)
     for name in _GEOMETRY:
         _read(cfg, name, kind)
@@ -441,6 +443,8 @@ def generate(
         raise ValueError("prompt must hold at least one token")
     check_supported(model)
     if client is not None:
+        if not isinstance(getattr(client, "spec", None), KVSpec):  # (a KVMeshClient, or one that acts as it)
+            raise TypeError(f"client must be a KVMeshClient (kvmesh.connect) or None, got {type(client).__name__}")
         _check_spec(model, client.spec)
     t0 = time.perf_counter()
     device = next(model.parameters()).device

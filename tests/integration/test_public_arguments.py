@@ -53,3 +53,27 @@ def test_flags_and_token_counts_that_are_not_what_they_say_are_refused(mesh):
         assert client.lookup(list(range(8)), allow_split=False, cost_model=True, count=False).num_tokens == 0
     finally:
         client.close()
+
+
+def test_sizes_models_and_clients_of_the_wrong_kind_are_typed_errors_naming_them(mesh):
+    """scratch("x") raised a bare '<' TypeError, fetch_to_device took any min_copy_bytes, and hf's generate and
+    spec_for_model an object that is no client or no model (AttributeError from deep inside)."""
+    from kvmesh.integrations import hf
+
+    client = kvmesh.connect(SPEC)
+    try:
+        for bad in ("x", -1, 2.5):
+            with pytest.raises(ValueError, match="num_tokens"):
+                client.scratch(bad)
+        m = client.lookup(list(range(8)))
+        with pytest.raises(ValueError, match="min_copy_bytes"):
+            client.fetch_to_device(m, "cpu", min_copy_bytes="x")
+        with pytest.raises(TypeError, match="model"):
+            hf.spec_for_model("llama", model_id="m@1", chunk_tokens=4)
+        model = hf.tiny_llama(seed=1, vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2,
+                              intermediate_size=64, initializer_range=0.2)
+        with pytest.raises(TypeError, match="client"):
+            hf.generate(model, list(range(8)), max_new_tokens=1, client="x")
+        assert client.scratch(8).shape[2] >= 8
+    finally:
+        client.close()

@@ -105,6 +105,9 @@ class Cascade:
     # called for each chunk the CPU slab evicts, its bytes still in place: (slot, record, tier it is left in or
     # None when it leaves the node); the node's cluster eviction (lastcopy.py) decides there what to save
     on_leave: Callable[[int, object, int | None], None] | None = None
+    # called for each disk write as it ends, its bytes still in the job's buffer: (job, whether it is on disk now);
+    # a chunk that left the slab for a write the disk refused has left the node there (the node's cluster eviction)
+    on_written: Callable[[WriteJob, bool], None] | None = None
 
     def __post_init__(self) -> None:
         assert self.write_policy in WRITE_POLICIES, self.write_policy
@@ -263,6 +266,8 @@ class Cascade:
             self.counts["disk_write_errors"] += 1
             if self.best_tier(key) is None:  # it had left the CPU tier for this write: gone from the node
                 self.counts["drops"] += 1
+        if self.on_written is not None:
+            self.on_written(job, ok)
         if job.buffer is not None:
             self._pool.append(job.buffer)
         self.changes[(job.group, key)] = self.best_tier(key)

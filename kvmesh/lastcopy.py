@@ -10,7 +10,9 @@
 
 The order of choices: a chunk demoted to this node's disk tier (the cascade does that whenever it has a disk tier
 with room) is safe already and counted as saved there (until the disk evicts it in its turn: chunks leaving from
-the disk tier are not handed off); a chunk that leaves the node, was read by other nodes lately (a replica pulled
+the disk tier are not handed off). It is judged once its disk write ends (the node's `_on_written`): one the disk
+refused (full, failing) has left the node then, its bytes still in the write buffer, and goes on as any chunk
+leaving the node; a chunk that leaves the node, was read by other nodes lately (a replica pulled
 from elsewhere too: its source may have evicted the original since), and whose expected recompute outweighs a
 move, is handed to the live peer with the most free room (CPU and disk, from the stats the nodes publish each
 heartbeat) unless the directory lists another live holder; anything else is dropped as before.

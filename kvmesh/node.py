@@ -153,11 +153,12 @@ class KVNode:
             raise
         self.cascade = Cascade(self.tier, gpu, disk, cfg.write_policy)
         self._io: queue.SimpleQueue = queue.SimpleQueue()  # disk writes and the start-up verification (I/O threads)
+        self._io_outstanding = 0  # items put on `_io` and not done yet, queued or in an I/O thread's hands (lock)
         if disk is not None and recovered:  # readable at once (every disk read is verified); registered once
             # verified below
             disk.adopt([(r.slot, r.key, r.group, r.nbytes, r.checksum) for r in recovered])
             for r in recovered:
-                self._io.put(("verify", r))
+                self._io_put(("verify", r))
         self._promote: list[bytes] = []  # keys hit on the CPU tier, promoted by the maintenance thread
         self._served: Counter[str] = Counter()  # bytes served, by requesting node id
         self._served_at: dict[str, float] = {}  # when each was last served (monotonic)
@@ -240,6 +241,10 @@ class KVNode:
             lambda n: self.peers(n),
         )
         self.cascade.on_leave = self._on_leave
+        self.cascade.on_written = self._on_written
+        # chunks that left the slab for a disk write still in flight: key -> whether a replica; judged by
+        # `last_copies` once the write ends (saved on disk, or leaving the node if the disk refused it)
+        self._leaving_to_disk: dict[bytes, bool] = {}
         self._ray_metrics = RayExporter()
         self._last_published: dict = {}
         self._stop = threading.Event()
@@ -533,6 +538,9 @@ class KVNode:
         """Caller (the cascade, evicting from the slab) holds the lock; the chunk's bytes are still in `slot`."""
         if below is not None and below != TIER_DISK:
             return  # (a copy stays in the GPU tier above)
+        if below == TIER_DISK and rec.key in self.cascade._pending:  # not on disk yet: the disk may refuse it
+            self._leaving_to_disk[rec.key] = self.replicas.is_replica(rec.key)
+            return
         self.last_copies.leaving(
             rec.key,
             rec.group,
@@ -542,6 +550,17 @@ class KVNode:
             below is not None,
             self.replicas.is_replica(rec.key),
         )
+
+    def _on_written(self, job, ok: bool) -> None:
+        """Caller (the cascade, ending a disk write) holds the lock; the chunk's bytes are still in `job.data`."""
+        key = job.ticket.key
+        replica = self._leaving_to_disk.pop(key, None)
+        if replica is None:
+            return  # (it never left the slab for this write)
+        if not ok and self.cascade.best_tier(key) is not None:
+            return  # (back in the slab meanwhile: it leaves again later)
+        data = job.data
+        self.last_copies.leaving(key, job.group, job.nbytes, job.checksum, lambda: memoryview(data), ok, replica)
 
     def _registrable(self) -> list[tuple[bytes, bytes, int]]:
         """Caller holds the lock: what the directory should list (every chunk held, but those a pull-through
@@ -575,7 +594,7 @@ class KVNode:
                 ticket = self.cascade.prepare(item.key, item.group, item.nbytes)
                 top = self.cascade.top
                 for job in self.cascade.take_writes():  # (to the disk now, not at the end: they free buffers)
-                    self._io.put(("write", job))
+                    self._io_put(("write", job))
             if ticket is None:
                 counts["store_skipped" if self.cascade.holds(item.key) else "store_refused_full"] += 1
                 continue
@@ -648,7 +667,7 @@ class KVNode:
         """Caller holds the lock: hand what the cascade changed to the registrar (in order), and its disk writes to
         the I/O threads. Returns the registrar's sequence number for `wait`."""
         for job in self.cascade.take_writes():
-            self._io.put(("write", job))
+            self._io_put(("write", job))
         return self.registrar.post(self.replicas.filter_changes(self.cascade.drain()))
 
     # -- maintenance ---------------------------------------------------------------------------------------------
@@ -707,6 +726,11 @@ class KVNode:
                 del self._served[reader]
                 self._served_at.pop(reader, None)
 
+    def _io_put(self, work) -> None:
+        """Caller holds the lock (or no I/O thread runs yet)."""
+        self._io_outstanding += 1
+        self._io.put(work)
+
     def _io_loop(self) -> None:
         disk = self.cascade.disk
         while not self._stop.is_set():
@@ -715,41 +739,58 @@ class KVNode:
             except queue.Empty:
                 continue
             assert disk is not None  # (writes and start-up verifications exist only with a disk tier)
-            if kind == "write":
-                ok = True
-                try:
-                    disk.write_chunk(
-                        item.ticket.slot, item.data, item.nbytes, item.ticket.key, item.group, item.checksum
-                    )
-                except OSError as e:
-                    ok = False
-                    code = errno.errorcode.get(e.errno or 0, "EIO")  # (exported by its errno name: disk_write_E*)
-                    self._count(f"disk_write_{code}")
-                    log.warning(
-                        "KVNode %s: disk write failed (%s); the chunk stays where it was or is dropped",
-                        self.node_id[:8],
-                        e,
-                    )
-                    self._event("disk_write_failed", code, str(e))
+            try:
+                self._io_one(disk, kind, item)
+            except Exception:  # (an I/O thread that died would leave every later write queued for good)
+                log.exception("KVNode %s: disk %s failed", self.node_id[:8], kind)
+            finally:
                 with self.lock:
-                    self.cascade.finish_write(item, ok)
-                    self._post_changes()
-            elif kind == "verify":  # a chunk found on disk at start-up: register it once its bytes check out
-                try:
-                    good = checksum(disk.read_chunk(item.slot, item.nbytes)) == item.checksum
-                except OSError:
-                    good = False
-                with self.lock:
-                    if disk.record(item.slot).key != item.key:
-                        continue  # already gone (evicted or read and found corrupt)
-                    if good:
-                        self.cascade.changes[(item.group, item.key)] = self.cascade.best_tier(item.key)
-                        self.stats_counts["disk_recovered"] += 1
+                    self._io_outstanding -= 1
+
+    def _io_one(self, disk, kind: str, item) -> None:
+        if kind == "write":
+            ok = True
+            try:
+                disk.write_chunk(item.ticket.slot, item.data, item.nbytes, item.ticket.key, item.group, item.checksum)
+            except OSError as e:
+                ok = False
+                code = errno.errorcode.get(e.errno or 0, "EIO")  # (exported by its errno name: disk_write_E*)
+                self._count(f"disk_write_{code}")
+                log.warning(
+                    "KVNode %s: disk write failed (%s); the chunk stays where it was or is dropped",
+                    self.node_id[:8],
+                    e,
+                )
+                self._event("disk_write_failed", code, str(e))
+            with self.lock:
+                self.cascade.finish_write(item, ok)
+                self._post_changes()
+        elif kind == "verify":  # a chunk found on disk at start-up: register it once its bytes check out
+            failed = None
+            try:
+                good = checksum(disk.read_chunk(item.slot, item.nbytes)) == item.checksum
+            except OSError as e:  # unreadable, not known corrupt: dropped, counted as a disk read error
+                good, failed = False, errno.errorcode.get(e.errno or 0, "EIO")
+            with self.lock:
+                if disk.record(item.slot).key != item.key:
+                    return  # already gone (evicted or read and found corrupt)
+                if good:
+                    self.cascade.changes[(item.group, item.key)] = self.cascade.best_tier(item.key)
+                    self.stats_counts["disk_recovered"] += 1
+                else:
+                    if failed is not None:
+                        counts = self.cascade.counts
+                        counts["disk_read_errors"] += 1
+                        counts[f"disk_read_{failed}"] = counts.get(f"disk_read_{failed}", 0) + 1
                     else:
-                        disk.invalidate(item.slot)
-                        self.cascade.discard(item.key)
+                        try:
+                            disk.invalidate(item.slot)
+                        except OSError as e:  # (a disk that refuses writes now: the record stays, and the
+                            # next start verifies it again; this one drops the chunk all the same)
+                            log.warning("KVNode %s: a corrupt disk record stays (%s)", self.node_id[:8], e)
                         self.stats_counts["disk_recovery_corrupt"] += 1
-                    self._post_changes()
+                    self.cascade.discard(item.key)
+                self._post_changes()
 
     def _devsum_loop(self) -> None:
         """Record the device checksum of every chunk that becomes readable in the CPU slab (stores, copies from the
@@ -840,7 +881,7 @@ class KVNode:
                     disk_used_bytes=disk.used_bytes,
                     disk_capacity_bytes=disk.num_slots * disk.slot_bytes,
                     disk_direct_io=disk.direct_io,
-                    disk_pending_io=self._io.qsize(),
+                    disk_pending_io=self._io_outstanding,  # (queued, and those an I/O thread is doing)
                 )
             gpu = self.cascade.gpu
             if gpu is not None:

@@ -25,8 +25,10 @@ import errno
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import xxhash
@@ -105,6 +107,11 @@ class DiskTier(SlotPool):
         # reads in flight at once (threads start on first use); owned by this tier, stopped by close(). Several
         # 4 MiB reads queued at once kept a virtio disk busier than one (bench/disk.py: 4 beat 1 and 2 there)
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="kvmesh-disk-read")
+        # I/O calls using the file descriptors now: close() waits for them, and none starts after it (a write that
+        # went on past close() wrote with fd numbers the process had reused, into whatever file took them)
+        self._using = 0
+        self._using_cv = threading.Condition()
+        self._closed = False
 
     @property
     def direct_io(self) -> bool:
@@ -133,6 +140,10 @@ class DiskTier(SlotPool):
         align(nbytes) bytes for O_DIRECT (CPU slab slots and `aligned_buffer()` are). Raises OSError."""
         if self.fail_writes_with is not None:
             raise OSError(self.fail_writes_with, os.strerror(self.fail_writes_with))
+        with self._use():
+            self._write_chunk(slot, data, nbytes, key, group, chunk_checksum, namespace)
+
+    def _write_chunk(self, slot, data, nbytes, key, group, chunk_checksum, namespace) -> None:
         off = self._offset(slot)
         self._sequence += 1
         hdr = bytearray(HEADER)
@@ -155,6 +166,10 @@ class DiskTier(SlotPool):
 
     def read_chunk(self, slot: int, nbytes: int, into=None):
         """The chunk's bytes (into `into`, page-aligned for O_DIRECT, when given). Raises OSError."""
+        with self._use():
+            return self._read_chunk(slot, nbytes, into)
+
+    def _read_chunk(self, slot: int, nbytes: int, into):
         off = self._offset(slot) + HEADER
         length = _align(nbytes)
         if into is None:
@@ -177,7 +192,10 @@ class DiskTier(SlotPool):
         e.g. "failed:EIO"). The reads run on this tier's reader threads, several in flight; this call blocks until
         every one is done, so no thread writes into an `into` after it returns. Call it without the node's lock.
         Changes nothing in the tier."""
-        futures = [self._readers.submit(self._read_one, r) for r in reads]
+        try:
+            futures = [self._readers.submit(self._read_one, r) for r in reads]
+        except RuntimeError:  # closed (its reader threads stopped): no read can run
+            return [f"{READ_FAILED}:EBADF"] * len(reads)
         return [f.result() for f in futures]
 
     def _read_one(self, r: ChunkRead) -> str:
@@ -215,17 +233,42 @@ class DiskTier(SlotPool):
         return sorted(found.values(), key=lambda r: -r.sequence)
 
     def invalidate(self, slot: int) -> None:
-        """Erase a slot's commit record (a chunk that failed its checksum)."""
-        self._pwrite_all(self._fd, bytes(HEADER), self._offset(slot))
+        """Erase a slot's commit record (a chunk that failed its checksum). Raises OSError."""
+        if self.fail_writes_with is not None:
+            raise OSError(self.fail_writes_with, os.strerror(self.fail_writes_with))
+        with self._use():
+            self._pwrite_all(self._fd, bytes(HEADER), self._offset(slot))
 
-    def close(self) -> None:
-        self._readers.shutdown(wait=True)  # no reader uses the file descriptors past this
-        for fd in (self._dfd, self._fd, self._lock_fd):
+    @contextmanager
+    def _use(self):
+        """Around one I/O call on the file descriptors; OSError(EBADF) once the tier is closed."""
+        with self._using_cv:
+            if self._closed:
+                raise OSError(errno.EBADF, "the disk tier is closed")
+            self._using += 1
+        try:
+            yield
+        finally:
+            with self._using_cv:
+                self._using -= 1
+                self._using_cv.notify_all()
+
+    def close(self, wait_s: float = 30.0) -> None:
+        """Waits (up to `wait_s`) for the reads and writes in flight on other threads; where one is still going
+        on then (a hung disk), its file descriptors are left open rather than handed back for reuse under it."""
+        with self._using_cv:
+            self._closed = True  # no I/O call starts past this (EBADF)
+        self._readers.shutdown(wait=True)
+        with self._using_cv:
+            idle = self._using_cv.wait_for(lambda: self._using == 0, timeout=wait_s)
+        for fd in (self._dfd, self._fd) if idle else ():
             if fd is not None and fd >= 0:
                 os.close(fd)
+        if self._lock_fd is not None and self._lock_fd >= 0:
+            os.close(self._lock_fd)
         self._dfd = self._lock_fd = None
         self._fd = -1  # closed: a read or write past close() fails (EBADF)
-        if not self._zero.closed:
+        if idle and not self._zero.closed:
             self._zero.close()
 
 

@@ -1,0 +1,163 @@
+"""Disk tier under faults (KVNode objects in this process, real redis-server, real files)."""
+
+import errno
+import threading
+
+import numpy as np
+import redis
+
+from kvmesh.config import KVMeshConfig
+from kvmesh.tiers import checksum
+from kvmesh.tiers.disk import HEADER, DiskTier
+from kvmesh.wire import StoreItem, pack_keys, pack_store
+from tests.conftest import wait_until
+from tests.integration.nodes import WireNode
+
+SLOT = 4096
+G = b"g" * 16
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def chunks(*ids: int, size: int = SLOT):
+    datas = [np.full(size, i % 251, dtype=np.uint8) for i in ids]
+    items = [StoreItem(G, k(i), size, checksum(d)) for i, d in zip(ids, datas)]
+    return pack_store(items), np.concatenate(datas)
+
+
+def disk_node(private_redis, tmp_path, name="node-f" * 4, **kw):
+    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="hf", cpu_bytes=kw.pop("cpu_slots", 2) * SLOT,
+                       slot_bytes=SLOT, disk_dir=str(tmp_path / "disk"), disk_bytes=kw.pop("disk_slots", 8) * SLOT,
+                       lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path), **kw)
+    return WireNode(cfg, name, "kvnode-f")
+
+
+def flip(node, key: bytes) -> None:
+    disk = node.cascade.disk
+    off = disk.slot_of(key) * (HEADER + disk.stride) + HEADER + 7
+    with open(disk.path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def test_a_start_up_verification_whose_erase_fails_does_not_kill_the_disk_io_threads(private_redis, tmp_path,
+                                                                                      monkeypatch):
+    """Two chunks found corrupt at restart on a disk that now refuses writes (EIO / remounted read-only): erasing
+    their commit records fails. Each failure killed the I/O thread that verified it (the OSError escaped
+    `_io_loop`), so with both threads dead no disk write ever ran again: write-backs piled up, and the corrupt
+    chunks stayed adopted and uncounted."""
+    redis.Redis.from_url(private_redis.url).flushall()
+    node = disk_node(private_redis, tmp_path, write_policy="write_through")
+    node.store(*chunks(1, 2, 3))
+    wait_until(lambda: node.stats().get("disk_writes", 0) == 3, 5)
+    flip(node, k(2))
+    flip(node, k(3))
+    node.die()
+
+    def refuse(self, slot):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(DiskTier, "invalidate", refuse)
+    died = []
+    monkeypatch.setattr(threading, "excepthook", lambda a: died.append(a.thread.name))
+    again = disk_node(private_redis, tmp_path, write_policy="write_through")
+    try:
+        wait_until(lambda: again.stats().get("disk_recovered", 0) == 1, 5)
+        wait_until(lambda: again.stats().get("disk_recovery_corrupt", 0) == 2, 5)
+        assert not died, f"threads died: {died}"
+        assert {again.cascade.best_tier(k(i)) for i in (2, 3)} == {None}  # the corrupt ones are dropped
+        again.store(*chunks(11, 12, 13, 14))  # the disk still takes writes
+        wait_until(lambda: again.stats().get("disk_writes", 0) >= 4, 5)
+        wait_until(lambda: again.stats()["disk_pending_io"] == 0, 5)
+        again.check_integrity()
+    finally:
+        again.shutdown()
+
+
+def test_a_demotion_the_disk_refuses_is_not_counted_as_a_saved_last_copy(private_redis, tmp_path):
+    """A chunk other nodes read leaves the CPU slab for the disk, and the disk refuses the write (full): the chunk
+    has left the node. It was counted `last_copy_saved_disk` when the write was queued and was never handed off,
+    so the cluster's last copy of a chunk peers read was lost on every full or failing disk."""
+    redis.Redis.from_url(private_redis.url).flushall()
+    node = disk_node(private_redis, tmp_path, recompute_bytes_per_s=1 << 20)
+    try:
+        assert node.store(*chunks(1)) == 1
+        header, data = node.pull(pack_keys([k(1)], "peer-node-b"))  # another node reads it
+        assert data.size == SLOT
+        node.cascade.disk.fail_writes_with = errno.ENOSPC
+        node.store(*chunks(2, 3))  # evicts 1 from the 2-slot CPU tier: its demotion fails
+        wait_until(lambda: node.stats().get("disk_write_ENOSPC", 0) >= 1, 5)
+        wait_until(lambda: node.stats()["disk_pending_io"] == 0 and not node.cascade._pending, 5)
+        assert node.cascade.best_tier(k(1)) is None  # gone from this node
+        st = node.stats()
+        assert st["last_copy_saved_disk"] == 0, "counted saved on disk, yet not on disk"
+        assert st["handoffs_queued"] == 1, "the last copy was not handed off"
+    finally:
+        node.shutdown()
+
+
+def test_closing_the_disk_tier_under_a_write_in_flight_never_writes_into_another_file(tmp_path):
+    """KVNode.shutdown closes the disk tier once its I/O threads are joined, 5 s at most: a write still in flight
+    then (a slow or failing disk; or a node that dies in this process mid-write, `WireNode.die`) went on with the
+    fd numbers `close()` had just given back. The next file this process opened took such a number, and the write's
+    commit record landed in it (or `close()` raised BufferError, the zero header's buffer still exported)."""
+    import os
+    import time
+
+    from kvmesh.tiers.disk import aligned_buffer
+
+    big = 256 << 20  # a write that takes a while
+    d = DiskTier(str(tmp_path / "disk"), 2, big)
+    data = aligned_buffer(big)
+    data[:] = b"\x07" * big
+    errors = []
+
+    def write():
+        try:
+            d.write_chunk(1, data, big, k(1), G, 0)
+        except OSError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=write)
+    t.start()
+    time.sleep(0.02)  # the data write is under way
+    d.close()
+    others = [os.open(str(tmp_path / f"other{i}"), os.O_RDWR | os.O_CREAT, 0o600) for i in range(3)]
+    t.join()
+    try:
+        for fd in others:
+            head = os.pread(fd, 8, d._offset(1))
+            assert head != b"KVMDISK1", "a commit record was written into another file"
+    finally:
+        for fd in others:
+            os.close(fd)
+
+
+def test_disk_pending_io_counts_the_writes_in_flight(private_redis, tmp_path):
+    """`disk_pending_io` read the I/O queue's length only: a write an I/O thread had taken off the queue and was
+    still doing was not pending, so "0 pending" came while writes were still landing (and a node killed then lost
+    them)."""
+    import time
+
+    big = 8 << 20
+    redis.Redis.from_url(private_redis.url).flushall()
+    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="hp", cpu_bytes=12 * big, slot_bytes=big,
+                       disk_dir=str(tmp_path / "disk"), disk_bytes=16 * big, lease_s=2.0, heartbeat_s=0.2,
+                       shm_dir=str(tmp_path), write_policy="write_through")
+    node = WireNode(cfg, "node-p" * 4, "kvnode-p")
+    try:
+        datas = [np.full(big, i, dtype=np.uint8) for i in range(10)]
+        items = [StoreItem(G, k(i), big, checksum(d)) for i, d in enumerate(datas)]
+        assert node.store(pack_store(items), np.concatenate(datas)) == 10
+        until = time.monotonic() + 20
+        while node.stats()["disk_pending_io"] > 0 and time.monotonic() < until:
+            pass
+        st = node.stats()
+        assert st["disk_pending_io"] == 0
+        assert st.get("disk_writes", 0) + st.get("disk_write_errors", 0) == 10, "writes still in flight"
+    finally:
+        node.shutdown()

@@ -4,11 +4,14 @@
     kvmesh.connect(spec)             a KVMeshClient in any Ray driver, task or actor
     kvmesh.stop()                    remove the KVNodes
     kvmesh.DirectoryUnavailable      what start and connect raise when the directory (Redis) cannot be used
+    kvmesh.ForkedProcessError        what a client's calls raise in a process forked from the one that made it,
+                                     and connect in a child that inherited its parent's Ray connection
 
 Ray is imported only when these are called, so specs, hashing and the tiers work without it.
 """
 
 from kvmesh.config import KVMeshConfig
+from kvmesh.forks import ForkedProcessError
 from kvmesh.mesh import start, stop
 from kvmesh.spec import KVFormat, KVGroup, KVSpec
 
@@ -20,6 +23,7 @@ __all__ = [
     "KVMeshClient",
     "Match",
     "DirectoryUnavailable",
+    "ForkedProcessError",
     "start",
     "stop",
     "connect",

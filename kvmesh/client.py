@@ -29,6 +29,7 @@ naming the argument; failures of peers or Redis never raise out of these calls.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import warnings
@@ -49,6 +50,7 @@ from kvmesh.dataplane.gpureads import GpuReads
 from kvmesh.dataplane.sinks import DeviceSink, HostSink
 from kvmesh.dataplane.sources import Env
 from kvmesh.directory import Directory, Holder, horizon_for, probe
+from kvmesh.forks import ForkedProcessError
 from kvmesh.handle import LocalHandle, NodeHandle, Orphans
 from kvmesh.hashing import HASH_BYTES, as_tokens, chunk_hashes, client_salt, salt_bytes
 from kvmesh.match import ChunkMatch, FetchStats, Match, StoreResult, link_observations
@@ -93,6 +95,7 @@ class KVMeshClient:
         self.spec = spec
         self.config = config
         self.node_id = node_id
+        self._pid = os.getpid()  # the process the client belongs to (its threads, Ray handles, sockets)
         self.cache_salt = client_salt(cache_salt)
         self.count_fetches = count_fetches  # whether a fetch counts its tokens as reused (record_request says why)
         self.counts: Counter[str] = Counter()
@@ -368,6 +371,19 @@ class KVMeshClient:
         call would reopen directory connections that nothing closes)."""
         if self._closed.is_set():
             raise ValueError(f"{what} on a closed KVMeshClient")
+        self._check_process(what)
+
+    def _check_process(self, what: str) -> None:
+        """A client belongs to the process that made it. In a child forked from that process its threads are gone
+        and its Ray calls are never answered (a fetch waited out its deadline and counted a miss, a store was
+        counted as handed over and never made), and its kept peer connections are its parent's too (two processes
+        reading replies off one socket can take each other's chunks)."""
+        if os.getpid() != self._pid:
+            raise ForkedProcessError(
+                f"{what} on a KVMeshClient made in process {self._pid}, from which this process ({os.getpid()}) "
+                "was forked: a client belongs to the process that made it; call kvmesh.connect in a process "
+                "started otherwise (multiprocessing's 'spawn' start method, a Ray task or actor)"
+            )
 
     def _check_match(self, match) -> None:
         self._check_open("fetch")
@@ -670,6 +686,7 @@ class KVMeshClient:
         flushing at once, each store is counted by the first flush that reads its reply)."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
             raise ValueError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
+        self._check_process("flush")
         return self.stores.flush(timeout_s) if self.stores is not None else 0
 
     # -- by explicit chunk keys -----------------------------------------------------------------------------------
@@ -763,6 +780,9 @@ class KVMeshClient:
         self._exporter.flush(self.counts, samples, events)
 
     def close(self) -> None:
+        if os.getpid() != self._pid:  # a forked child's copy: only what this process holds goes (no Ray call, which
+            self._close_copy()  # would never be answered, no telemetry, which the parent exports)
+            return
         if self.stores is not None:
             self.stores.close()
         with self._running:  # fetches in flight end first (by their deadlines, CLOSE_WAIT_S at most): their
@@ -791,6 +811,15 @@ class KVMeshClient:
         self._pool.shutdown(wait=False)
         self._verify_pool.shutdown(wait=False)
         self.directory.close()
+
+    def _close_copy(self) -> None:
+        """close() in a process forked from the client's: this process's copies of its mapping and sockets."""
+        self._closed.set()
+        if self._slab is not None:
+            self._slab.close()
+            self._slab = None
+        self._data.close()  # (closing a socket's descriptor here leaves the parent's connection as it is)
+        self.directory.close()  # (redis-py leaves the parent's connections alone in a child)
 
     def __enter__(self) -> KVMeshClient:
         return self

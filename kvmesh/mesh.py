@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.config import KVMeshConfig
+from kvmesh.forks import ForkedProcessError, inherited_ray
 from kvmesh.handle import ACTOR_PREFIX, NAMESPACE, KVNodeActor, NodeHandle, NodeHello, actor_name
 from kvmesh.redisconn import same_server
 from kvmesh.wire import NodeInfo
@@ -36,6 +37,13 @@ def _require_ray():
 
     if not ray.is_initialized():
         raise RuntimeError("kvmesh needs a Ray connection: call ray.init(...) first")
+    parent = inherited_ray()
+    if parent is not None:  # (its calls would wait on a connection that is not there: connect's hello for 30 s)
+        raise ForkedProcessError(
+            f"this process was forked from process {parent}, whose Ray connection it inherited: Ray's connection "
+            "does not survive a fork; start workers with multiprocessing's 'spawn' start method, or as Ray tasks "
+            "or actors"
+        )
     return ray
 
 

@@ -654,6 +654,7 @@ class KVNode:
         with self.lock:
             for key in keys:
                 self.cascade.discard(key)
+                self._leaving_to_disk.pop(key, None)  # (dropped: neither saved on disk nor handed off)
             self.stats_counts["corrupt_dropped"] += len(keys)
             self._post_changes()
         log.warning("KVNode %s dropped %d corrupt chunk(s)", self.node_id[:8], len(keys))
@@ -762,6 +763,9 @@ class KVNode:
                     e,
                 )
                 self._event("disk_write_failed", code, str(e))
+            except Exception:  # noqa: BLE001 - not an I/O error (a bug): the write is ended as failed all the same,
+                ok = False  # else its disk slot, buffer and pending entry (and a last-copy decision) stay for good
+                log.exception("KVNode %s: disk write failed", self.node_id[:8])
             with self.lock:
                 self.cascade.finish_write(item, ok)
                 self._post_changes()

@@ -162,7 +162,7 @@ class DiskTier(SlotPool):
             hbuf.close()
         else:
             self._pwrite_all(fd, bytes(hdr), off)
-            os.posix_fadvise(self._fd, off, HEADER + length, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, off, HEADER + length, os.POSIX_FADV_DONTNEED)  # (fd: close() may have cleared _fd)
 
     def read_chunk(self, slot: int, nbytes: int, into=None):
         """The chunk's bytes (into `into`, page-aligned for O_DIRECT, when given). Raises OSError."""
@@ -192,11 +192,14 @@ class DiskTier(SlotPool):
         e.g. "failed:EIO"). The reads run on this tier's reader threads, several in flight; this call blocks until
         every one is done, so no thread writes into an `into` after it returns. Call it without the node's lock.
         Changes nothing in the tier."""
+        futures = []
         try:
-            futures = [self._readers.submit(self._read_one, r) for r in reads]
-        except RuntimeError:  # closed (its reader threads stopped): no read can run
-            return [f"{READ_FAILED}:EBADF"] * len(reads)
-        return [f.result() for f in futures]
+            for r in reads:
+                futures.append(self._readers.submit(self._read_one, r))
+        except RuntimeError:  # closed (its reader threads stopped): no further read can run
+            pass
+        done = [f.result() for f in futures]  # (those submitted before: none writes into its `into` past return)
+        return done + [f"{READ_FAILED}:EBADF"] * (len(reads) - len(done))
 
     def _read_one(self, r: ChunkRead) -> str:
         try:
@@ -258,14 +261,14 @@ class DiskTier(SlotPool):
         on then (a hung disk), its file descriptors are left open rather than handed back for reuse under it."""
         with self._using_cv:
             self._closed = True  # no I/O call starts past this (EBADF)
-        self._readers.shutdown(wait=True)
+        self._readers.shutdown(wait=False)  # (a read in flight is counted in `_using`: waited for below, bounded)
         with self._using_cv:
             idle = self._using_cv.wait_for(lambda: self._using == 0, timeout=wait_s)
-        for fd in (self._dfd, self._fd) if idle else ():
+        # where one is still going on, the directory's claim stays too: a next tier of this process must not take
+        # the directory (and recover it) while that write may still land in it
+        for fd in (self._dfd, self._fd, self._lock_fd) if idle else ():
             if fd is not None and fd >= 0:
                 os.close(fd)
-        if self._lock_fd is not None and self._lock_fd >= 0:
-            os.close(self._lock_fd)
         self._dfd = self._lock_fd = None
         self._fd = -1  # closed: a read or write past close() fails (EBADF)
         if idle and not self._zero.closed:

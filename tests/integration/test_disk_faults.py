@@ -1,14 +1,16 @@
 """Disk tier under faults (KVNode objects in this process, real redis-server, real files)."""
 
 import errno
+import os
 import threading
+import time
 
 import numpy as np
 import redis
 
 from kvmesh.config import KVMeshConfig
 from kvmesh.tiers import checksum
-from kvmesh.tiers.disk import HEADER, DiskTier
+from kvmesh.tiers.disk import HEADER, ChunkRead, DiskTier, aligned_buffer, claim_directory
 from kvmesh.wire import StoreItem, pack_keys, pack_store
 from tests.conftest import wait_until
 from tests.integration.nodes import WireNode
@@ -161,3 +163,99 @@ def test_disk_pending_io_counts_the_writes_in_flight(private_redis, tmp_path):
         assert st.get("disk_writes", 0) + st.get("disk_write_errors", 0) == 10, "writes still in flight"
     finally:
         node.shutdown()
+
+
+def test_a_write_that_raises_no_oserror_is_still_ended(private_redis, tmp_path, monkeypatch):
+    """_io_loop's new guard keeps the thread alive, but the write that raised is never ended: finish_write never
+    runs, so its disk slot stays 'writing' (pinned) for good, its buffer never goes back to the pool, the key stays
+    in cascade._pending and node._leaving_to_disk, and the same key can never be stored again."""
+    redis.Redis.from_url(private_redis.url).flushall()
+    real = DiskTier.write_chunk
+
+    def flaky(self, slot, data, nbytes, key, *a, **kw):
+        if key == k(1):
+            raise ValueError("not an OSError (a bug, a struct.error, a MemoryError...)")
+        return real(self, slot, data, nbytes, key, *a, **kw)
+
+    monkeypatch.setattr(DiskTier, "write_chunk", flaky)
+    node = disk_node(private_redis, tmp_path)
+    try:
+        node.store(*chunks(1))
+        node.store(*chunks(2, 3))  # evicts 1 from the 2-slot CPU tier: its demotion raises ValueError
+        wait_until(lambda: node.stats()["disk_pending_io"] == 0, 5)
+        time.sleep(0.3)
+        assert k(1) not in node.cascade._pending, "the write that raised was never ended"
+        assert k(1) not in node._leaving_to_disk
+        node.check_integrity()
+    finally:
+        node.shutdown()
+
+
+def test_close_is_bounded_by_wait_s_under_a_hung_read(tmp_path, monkeypatch):
+    """close(wait_s) promises to wait at most wait_s for reads and writes in flight, but it first calls
+    self._readers.shutdown(wait=True), which waits for a hung read without any bound."""
+    d = DiskTier(str(tmp_path / "disk"), 2, SLOT)
+    t = d.prepare_store(k(1), G, SLOT)
+    buf = aligned_buffer(SLOT)
+    d.write_chunk(t.slot, buf, SLOT, k(1), G, checksum(memoryview(buf)[:SLOT]))
+    d.complete_store(t, 0)
+    release = threading.Event()
+    real = os.preadv
+
+    def hung(fd, bufs, off, *a):
+        release.wait(10)
+        return real(fd, bufs, off, *a)
+
+    monkeypatch.setattr(os, "preadv", hung)
+    into = aligned_buffer(SLOT)
+    reader = threading.Thread(target=d.read_verified, args=([ChunkRead(t.slot, SLOT, 0, into)],))
+    reader.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    closer = threading.Thread(target=d.close, kwargs={"wait_s": 0.5})
+    closer.start()
+    closer.join(3)
+    took = time.monotonic() - t0
+    release.set()
+    closer.join()
+    reader.join()
+    assert took < 2, f"close(wait_s=0.5) took {took:.1f} s under a hung read"
+
+
+def test_a_close_that_gives_up_on_a_hung_write_keeps_the_directory_claimed(tmp_path, monkeypatch):
+    """Where close() gives up waiting (a hung write), it keeps the data fds open so the write lands in the right
+    file, but it still releases the directory's lock: a next KVNode of this process (KVNodeActor's retry, a
+    restart) claims the same directory and recovers it while the old write is still going to land there."""
+    root = str(tmp_path / "root")
+    path, lock_fd = claim_directory(root, "node-a")
+    d = DiskTier(path, 2, SLOT, direct_io=False, lock_fd=lock_fd)  # (plain I/O: posix_fadvise)
+    t = d.prepare_store(k(1), G, SLOT)
+    release = threading.Event()
+    real = DiskTier._pwrite_all
+
+    def hung(fd, data, off):
+        release.wait(10)
+        return real(fd, data, off)
+
+    monkeypatch.setattr(DiskTier, "_pwrite_all", staticmethod(hung))
+    buf = aligned_buffer(SLOT)
+    errors = []
+
+    def write():
+        try:
+            d.write_chunk(t.slot, buf, SLOT, k(1), G, 0)
+        except OSError as e:
+            errors.append(e)
+
+    w = threading.Thread(target=write)
+    w.start()
+    time.sleep(0.1)
+    d.close(wait_s=0.2)  # gives up: the write is hung
+    again, fd2 = claim_directory(root, "node-a")
+    try:
+        assert again != path, "the directory a write is still going into was handed to the next tier"
+    finally:
+        os.close(fd2)
+        release.set()
+        w.join()
+    assert not errors, f"the write that close() left running failed after writing its commit record: {errors}"

@@ -813,13 +813,10 @@ class KVMeshClient:
         self.directory.close()
 
     def _close_copy(self) -> None:
-        """close() in a process forked from the client's: this process's copies of its mapping and sockets."""
+        """close() in a process forked from the client's: marks it closed and nothing else. Its mapping and sockets
+        here are this process's copies, released when it exits; closing them would take locks that a thread of the
+        parent may have held at the fork (a child that waits on one for good)."""
         self._closed.set()
-        if self._slab is not None:
-            self._slab.close()
-            self._slab = None
-        self._data.close()  # (closing a socket's descriptor here leaves the parent's connection as it is)
-        self.directory.close()  # (redis-py leaves the parent's connections alone in a child)
 
     def __enter__(self) -> KVMeshClient:
         return self

@@ -80,20 +80,55 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     secretKeyRef:
       name: {{ .Values.externalRedis.existingSecret }}
       key: {{ .Values.externalRedis.existingSecretKey }}
+{{- else if include "kvmesh.externalRedisURLHasPassword" . }}
+{{- /* a password never goes into the RayCluster's (and so every pod's) spec: the URL is in a Secret of ours */}}
+- name: KVMESH_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvmesh.externalRedisURLSecretName" . }}
+      key: redis-url
 {{- else }}
+- name: KVMESH_REDIS_URL
+  value: {{ include "kvmesh.externalRedisURL" . | quote }}
+{{- end }}
+{{- range .Values.kvmesh.env }}
+{{- /* EnvVar.value is a string: a number or boolean from --set or a values file would be refused by the API
+     server (a whole float64 from a values file is written as an integer, not 1e+06) */}}
+{{- $e := deepCopy . }}
+{{- if hasKey $e "value" }}
+{{- $v := $e.value }}
+{{- if kindIs "invalid" $v }}{{ $v = "" }}{{ end }}
+{{- if and (kindIs "float64" $v) (eq (float64 (int64 $v)) $v) }}{{ $v = int64 $v }}{{ end }}
+{{- $_ := set $e "value" (toString $v) }}
+{{- end }}
+- {{ toYaml $e | nindent 2 | trim }}
+{{- end }}
+{{- end -}}
+
+{{/* externalRedis.url, with the mounted CA added as ssl_ca_certs when externalRedis.caSecret is set */}}
+{{- define "kvmesh.externalRedisURL" -}}
 {{- $url := required "redis.enabled is false: set externalRedis.url or externalRedis.existingSecret" .Values.externalRedis.url }}
 {{- if .Values.externalRedis.caSecret }}
 {{- $url = printf "%s%sssl_ca_certs=%s/ca.crt" $url (ternary "&" "?" (contains "?" $url)) (include "kvmesh.redisCADir" .) }}
 {{- end }}
-- name: KVMESH_REDIS_URL
-  value: {{ $url | quote }}
-{{- end }}
-{{- with .Values.kvmesh.env }}
-{{ toYaml . }}
-{{- end }}
+{{- $url -}}
 {{- end -}}
 
-{{/* Volumes and mounts of every Ray pod: /dev/shm in memory, the kvmesh ConfigMap, the Redis CA */}}
+{{/* "true" when externalRedis.url holds a password: user:password@ or ?password= */}}
+{{- define "kvmesh.externalRedisURLHasPassword" -}}
+{{- $url := .Values.externalRedis.url | default "" }}
+{{- if or (regexMatch "^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*:[^/?#]*@" $url) (regexMatch "[?&]password=" $url) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{- define "kvmesh.externalRedisURLSecretName" -}}
+{{- printf "%s-redis-url" (include "kvmesh.fullname" .) -}}
+{{- end -}}
+
+{{/* Volumes and mounts of every Ray pod: /dev/shm in memory, the kvmesh ConfigMap, the disk tier's directory
+     (kvmesh.config.disk_dir: kvmesh.diskVolume, else an emptyDir; the image's own file system is neither writable
+     there by Ray's user nor meant for hundreds of GiB), the Redis CA */}}
 {{- define "kvmesh.volumes" -}}
 - name: dshm
   emptyDir:
@@ -103,6 +138,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   configMap:
     name: {{ include "kvmesh.fullname" .root }}-config
     defaultMode: 0755
+{{- with (default dict .root.Values.kvmesh.config).disk_dir }}
+- name: kvmesh-disk
+{{- with $.root.Values.kvmesh.diskVolume }}
+  {{- toYaml . | nindent 2 }}
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end }}
 {{- with include "kvmesh.redisCASecret" .root }}
 - name: redis-ca
   secret:
@@ -119,6 +162,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - name: kvmesh-config
   mountPath: /etc/kvmesh
   readOnly: true
+{{- with (default dict .Values.kvmesh.config).disk_dir }}
+{{- if not (isAbs (toString .)) }}
+{{- fail (printf "kvmesh.config.disk_dir must be an absolute path, got %q" (toString .)) }}
+{{- end }}
+- name: kvmesh-disk
+  mountPath: {{ . }}
+{{- end }}
 {{- if include "kvmesh.redisCASecret" . }}
 - name: redis-ca
   mountPath: {{ include "kvmesh.redisCADir" . }}

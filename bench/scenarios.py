@@ -59,7 +59,7 @@ def _found(d: Directory, spec, toks, salt=None) -> int:
 
 # -- R1 ------------------------------------------------------------------------------------------------------------
 def r1_remove_node(cluster, config: KVMeshConfig, fetches: int = 1000, threads: int = 2, prompts: int = 32,
-                   graceful: bool = False, seed: int = 1) -> dict:
+                   graceful: bool = False, seed: int = 1, options_by_thread: list[dict] | None = None) -> dict:
     """Chunks on a node D (and prompt heads on A); a worker on B fetches them over and over; D's node is removed
     a third of the way in. Every fetch must return only the bytes stored (a failed one a shorter, intact
     prefix), none may raise or hang past its deadline, and D's incarnation must be purged from the directory
@@ -81,7 +81,8 @@ def r1_remove_node(cluster, config: KVMeshConfig, fetches: int = 1000, threads: 
     d = Directory(config.redis_url, config.key_prefix)
     inc = {i.node_id: i.incarnation for i in d.node_table().live.values()}[dead]
     deadline_s = 2.0
-    ref = wb.loop.remote(spec, ps, threads, fetches, 3600.0, deadline_s=deadline_s, seed=seed)
+    ref = wb.loop.remote(spec, ps, threads, fetches, 3600.0, deadline_s=deadline_s, seed=seed,
+                         options_by_thread=options_by_thread)
     _wait(lambda: ray.get(wb.progress.remote()) >= fetches // 3, 120)
     actors = _actors()
     live = [n for n in cluster.node_ids() if n != dead]
@@ -134,7 +135,8 @@ def r1_remove_node(cluster, config: KVMeshConfig, fetches: int = 1000, threads: 
 
 # -- R2 ------------------------------------------------------------------------------------------------------------
 def r2_redis_restart(config: KVMeshConfig, redis_server, nodes: list[str], prompts: int = 16, cycles: int = 1,
-                     hang_s: float = 2.0, down_s: float = 1.0, threads: int = 2, seed: int = 2) -> dict:
+                     hang_s: float = 2.0, down_s: float = 1.0, threads: int = 2, seed: int = 2,
+                     options_by_thread: list[dict] | None = None) -> dict:
     """A worker on B looks up, fetches and stores chunks held on A while Redis first hangs (SIGSTOP) and is then
     killed and restarted empty. While it hangs or is down, lookups must come back as misses within the lookup
     deadline and stores must not block; after the restart the nodes must re-register everything within 10 s;
@@ -145,7 +147,8 @@ def r2_redis_restart(config: KVMeshConfig, redis_server, nodes: list[str], promp
     fresh = [prompt(seed * 1000 + 500 + i, 3) for i in range(prompts)]  # stored during the run
     ray.get(on(a).store.remote(spec, ps), timeout=120)
     wb = on(b)
-    ref = wb.loop.remote(spec, ps + fresh, threads, 0, 3600.0, store_share=0.2, check_stale=True, seed=seed)
+    ref = wb.loop.remote(spec, ps + fresh, threads, 0, 3600.0, store_share=0.2, check_stale=True, seed=seed,
+                         options_by_thread=options_by_thread)
     d = Directory(config.redis_url, config.key_prefix)
     _wait(lambda: ray.get(wb.progress.remote()) >= 50, 120)  # the worker process is up and busy
     windows, rebuilt = [], []

@@ -829,7 +829,8 @@ def _device(device) -> torch.device:
     """`device` as a torch.device: the CPU, or a CUDA device that this process can use."""
     try:
         d = torch.device(device)
-    except (RuntimeError, TypeError):  # torch's words for a bad name or type
+    except (RuntimeError, TypeError, UnicodeError):  # torch's words for a bad name or type (a name given as bytes
+        # that are not UTF-8: a bare UnicodeDecodeError that named nothing)
         raise ValueError(f"device must be 'cpu', a CUDA device or a torch.device, got {device!r}") from None
     if d.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device is {device!r}, but CUDA is not available in this process")

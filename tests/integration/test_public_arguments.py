@@ -77,3 +77,18 @@ def test_sizes_models_and_clients_of_the_wrong_kind_are_typed_errors_naming_them
         assert client.scratch(8).shape[2] >= 8
     finally:
         client.close()
+
+
+def test_a_device_named_by_bytes_that_are_not_utf8_is_a_value_error_naming_it(mesh):
+    """fetch(device=b"\\x80") raised torch's bare UnicodeDecodeError ("'utf-8' codec can't decode byte 0x80 in
+    position 24"), naming neither the argument nor what it takes (found by R6's API fuzzing, bench/chaos.py)."""
+    client = kvmesh.connect(SPEC)
+    try:
+        m = client.lookup(list(range(8)))
+        for call in (lambda d: client.fetch(m, device=d), lambda d: client.fetch_to_device(m, d)):
+            with pytest.raises(ValueError, match="device must be") as e:
+                call(b"\x80")
+            assert not isinstance(e.value, UnicodeError), e.value
+        assert client.fetch(m, device="cpu").shape[2] == 0  # the client is as it was
+    finally:
+        client.close()

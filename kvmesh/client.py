@@ -707,6 +707,38 @@ class KVMeshClient:
             self.counts["hits" if chunks else f"miss_{why}"] += 1
         return Match(self.spec.namespace, self.spec.chunk_tokens, chunks, why=why or "", group=group)
 
+    def held_keys(self, group: bytes, keys: list[bytes], count: bool = True) -> list[bool]:
+        """Whether each of `keys` has a live holder in directory group `group`, each key for itself (`lookup_keys`
+        answers only the leading run): for engines that ask about keys in another order than the prompt's, e.g.
+        vLLM's sliding-window lookups, from the prompt's end backwards. One round trip; a directory that fails
+        says "none" (counted, like a lookup's)."""
+        self._check_open("held_keys")
+        _check_flag("count", count)
+        self._check_keys(group, keys)
+        if not keys:
+            return []
+        held, why = [False] * len(keys), "not_cached"
+        if not self.view.allow():
+            self.counts["directory_skipped"] += 1
+            why = "directory_error"
+        else:
+            t0 = time.monotonic()
+            try:
+                holders = self.directory.holders(
+                    group, list(keys), self.view.table(), prefer=self.node_id, newer=self.view.current
+                )
+                held = [bool(hs) for hs in holders]
+                self._samples.append(("rtt", "", time.monotonic() - t0))
+            except redis.RedisError as e:
+                log.debug("lookup failed: %s", e)
+                self.counts["directory_errors"] += 1
+                self.view.failed()
+                why = "directory_error"
+        if count:
+            self.counts["lookups"] += 1
+            self.counts["hits" if any(held) else f"miss_{why}"] += 1
+        return held
+
     def store_keys(self, group: bytes, keys: list[bytes], chunks) -> int:
         """`store` for caller-made keys: `chunks[i]` (a tensor of the spec's dtype and `chunk_shape`, any
         strides, e.g. a view into an engine's host pool; all on one device) is chunk `keys[i]`, registered in

@@ -8,6 +8,7 @@
                                                   one spec per KV cache group, in vLLM's group order
     spec_for_vllm(...) -> KVSpec                  the same for a model with one group
     model_identity(model_config, options) -> str  the spec's model_id
+    config_identity(model_config) -> str          its part for config overrides and quantization
     request_salt(engine_salt, request_salt)       the kvmesh salt of one request
     lora_identity(lora_request) -> str            the spec's lora_id for a request's adapter
 
@@ -145,19 +146,26 @@ def model_identity(model_config, options: ConnectorOptions) -> str:
                     f"kv_connector_extra_config model_revision or model_id"
                 )
             base = f"{name}@{revision}"
+    return base + config_identity(model_config)
+
+
+def config_identity(model_config, what: str = "kvmesh vLLM connector: ", option: str = "kv_connector_extra_config"):
+    """What of an engine's model config changes the KV it computes from the same weights, for its model_id:
+    config overrides and quantization ("" when neither is set)."""
+    out = ""
     overrides = getattr(model_config, "hf_overrides", None)
     if callable(overrides):
         raise ValueError(
-            "kvmesh vLLM connector: hf_overrides is a function, which kvmesh cannot fingerprint; set "
-            "kv_connector_extra_config model_id to name this configuration"
+            f"{what}hf_overrides is a function, which kvmesh cannot fingerprint; set {option} model_id to name "
+            f"this configuration"
         )
     if overrides:
         digest = hashlib.blake2b(json.dumps(overrides, sort_keys=True, default=str).encode(), digest_size=8)
-        base += f"#hf={digest.hexdigest()}"
+        out += f"#hf={digest.hexdigest()}"
     quantization = getattr(model_config, "quantization", None)
     if quantization:
-        base += f"#q={quantization}"
-    return base
+        out += f"#q={quantization}"
+    return out
 
 
 def _dtype_name(dtype) -> str:

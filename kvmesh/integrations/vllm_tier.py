@@ -15,8 +15,9 @@ once, the directory and the bytes are handled by the tier's own thread:
 
     lookup(key, req) -> HIT | MISS | RETRY   reads: a key seen for the first time is RETRY; at the step's end
                                              (`on_schedule_end`) each request's new keys of each KV cache group
-                                             go to the directory in one round trip; their verdicts answer the
-                                             next lookups (for `verdict_ttl_s`)
+                                             go to the directory in one round trip; their verdicts (each key
+                                             for itself: vLLM asks a sliding-window group's keys from the
+                                             prompt's end backwards) answer the next lookups (`verdict_ttl_s`)
     submit_store(job)                        mutates: the job's primary-tier rows (pinned by vLLM until the job
                                              ends) are copied out and handed to this node's KVNode
     submit_load(job)                         mutates: the keys' chunks, from this node's tiers or a peer's, into
@@ -33,7 +34,9 @@ Identity. A primary-tier row is vLLM's own offload layout (all layers of one KV 
 `blocks_per_chunk` blocks, per worker, padded): the tier stores it as opaque bytes, so its spec's format names
 that layout (`offload_format`: vLLM's KV cache layout, direct or canonical pages, tokens per hash and block,
 blocks per chunk, the groups' layers, the row size, parallelism) and `TIER_FORMAT_VERSION`, and its model id the
-model (a local directory's fingerprint, or a hub name with `model_revision`) and KV dtype. Keys are vLLM's
+model (a local directory's fingerprint, or a hub name with `model_revision`), KV dtype, and what else changes the
+KV of the same weights (config overrides, quantization, the compute dtype where it is not the KV dtype: read from
+the engine's vLLM config, which vLLM does not hand its tiers; `model_id` names all of it instead). Keys are vLLM's
 offload keys (its chained block hash, which already covers the request's cache salt, LoRA and multimodal inputs,
 plus the group index) mixed into the spec's namespace:
 
@@ -54,6 +57,7 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -78,6 +82,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvmesh.hashing import HASH_BYTES, root_hash
 from kvmesh.integrations.identity import local_model_id
+from kvmesh.integrations.vllm_options import config_identity
 from kvmesh.spec import KVFormat, KVSpec
 from kvmesh.storequeue import refusals
 
@@ -136,8 +141,25 @@ def offload_format(config, row_bytes: int) -> KVFormat:
     return KVFormat("vllm-offload", layout, TIER_FORMAT_VERSION)
 
 
-def tier_spec(config, row_bytes: int, options: dict) -> KVSpec:
-    """The spec of this engine's rows: opaque bytes (one uint8 "layer" of 2 halves of row_bytes / 2)."""
+def engine_model_config():
+    """vLLM's `ModelConfig` of the engine that is building this tier, or None. The `OffloadingConfig` a tier gets
+    names only the model and its KV dtype, while config overrides, quantization and the compute dtype change the
+    KV an engine computes from the same weights. vLLM builds the tiers in `OffloadingConnectorScheduler(spec,
+    vllm_config, kv_cache_config)` (`spec.get_manager()`), on this thread: its `vllm_config` is on the stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        cfg = frame.f_locals.get("vllm_config")
+        model_config = getattr(cfg, "model_config", None)
+        if model_config is not None:
+            return model_config
+        frame = frame.f_back
+    return None
+
+
+def tier_spec(config, row_bytes: int, options: dict, model_config=None) -> KVSpec:
+    """The spec of this engine's rows: opaque bytes (one uint8 "layer" of 2 halves of row_bytes / 2).
+    `model_config`: the engine's vLLM `ModelConfig` where known (`engine_model_config`), for what else changes
+    its KV (config overrides, quantization, a compute dtype other than the KV dtype)."""
     if row_bytes % 2:
         raise ValueError(f"kvmesh vLLM tier: a primary-tier row of {row_bytes} bytes is not an even size")
     name = config.model.name
@@ -152,6 +174,11 @@ def tier_spec(config, row_bytes: int, options: dict) -> KVSpec:
             f"kvmesh vLLM tier: {name!r} is not a local directory, so kvmesh cannot fingerprint its "
             f"weights; set the tier's model_revision (or model_id)"
         )
+    if model_config is not None and "model_id" not in options:  # (a model_id names the configuration itself)
+        model_id += config_identity(model_config, "kvmesh vLLM tier: ", "the tier's")
+        compute = str(getattr(model_config, "dtype", "")).removeprefix("torch.")
+        if compute and compute != config.model.dtype:  # the same weights give other KV in another compute dtype
+            model_id += f"#compute={compute}"
     return KVSpec(
         model_id=f"{model_id}#kv={config.model.dtype}",
         num_layers=1,
@@ -197,7 +224,7 @@ class KVMeshTier(SecondaryTierManager):
         if "locality" in self.options:
             self.locality = Locality(self.options["locality"])
         row = self.block_size_bytes
-        self.spec = tier_spec(offloading_spec.config, row, self.options)
+        self.spec = tier_spec(offloading_spec.config, row, self.options, engine_model_config())
         self.group = directory_group(self.spec)
         self.verdict_ttl_s = float(self.options.get("verdict_ttl_s", 10.0))
         rows = np.frombuffer(primary_kv_view.cast("B"), dtype=np.uint8)
@@ -225,6 +252,7 @@ class KVMeshTier(SecondaryTierManager):
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # ("job", JobResult) | ("verdicts", [(key, bool)])
+        self._finished: list[JobResult] = []  # taken from _done, for the next get_finished_jobs
         self._busy = 0  # tasks queued or running (guarded by _idle)
         self._idle = threading.Condition()
         self._thread = threading.Thread(target=self._serve, name="kvmesh-vllm-tier", daemon=True)
@@ -274,7 +302,9 @@ class KVMeshTier(SecondaryTierManager):
         self._submit(_LOAD, ("load", job_metadata.job_id, keys, [int(c) for c in job_metadata.chunk_ids]))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        return self._take_done()
+        self._take_done()
+        out, self._finished = self._finished, []
+        return out
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._events:
@@ -284,7 +314,9 @@ class KVMeshTier(SecondaryTierManager):
     def has_pending_work(self) -> bool:
         with self._idle:
             busy = self._busy
-        return bool(busy or self._batch or self._load_keys or self._store_keys or not self._done.empty())
+        return bool(
+            busy or self._batch or self._load_keys or self._store_keys or self._finished or not self._done.empty()
+        )
 
     def drain_jobs(self) -> None:
         with self._idle:
@@ -301,14 +333,16 @@ class KVMeshTier(SecondaryTierManager):
         self.client.close()
 
     # -- scheduler-thread side of the results -----------------------------------------------------------------
-    def _take_done(self) -> list[JobResult]:
-        jobs: list[JobResult] = []
+    def _take_done(self) -> None:
+        """Apply what the tier thread finished: verdicts now, job results kept for `get_finished_jobs` (also called
+        from `lookup`, whose caller never sees them: a job result dropped there is a promotion vLLM waits for
+        forever, its primary-tier slots never ready)."""
         now = time.monotonic()
         while True:
             try:
                 kind, payload = self._done.get_nowait()
             except queue.Empty:
-                return jobs
+                return
             if kind == "verdicts":
                 for key, present in payload:
                     v = self._verdicts.get(key)
@@ -341,7 +375,7 @@ class KVMeshTier(SecondaryTierManager):
                             ownership=self.tier_type,
                         )
                     )
-            jobs.append(result)
+            self._finished.append(result)
 
     # -- the tier thread --------------------------------------------------------------------------------------
     def _submit(self, priority: int, task) -> None:
@@ -364,17 +398,18 @@ class KVMeshTier(SecondaryTierManager):
                     self._idle.notify_all()
 
     def _run_lookup(self, keys: list[OffloadKey]) -> None:
-        present = 0
+        held = [False] * len(keys)
         try:
-            present = self.client.lookup_keys(self.group, tier_keys(self.group, keys)).num_chunks
+            held = self.client.held_keys(self.group, tier_keys(self.group, keys))
         except Exception as e:
             self.counts["vllm_tier_errors_lookup"] += 1
             log.warning("kvmesh vLLM tier: lookup failed: %s", e)
-        # the run from the first key: a key after the first absent one counts as absent (a shorter hit, never a
-        # wrong one; vLLM stops a prefix at its first miss anyway)
-        self._done.put(("verdicts", [(k, i < present) for i, k in enumerate(keys)]))
+        # each key for itself, not the run from the first: vLLM asks a sliding-window group's keys from the
+        # prompt's end backwards, so the chunks past the cached prefix come first (a full-attention group's
+        # prefix lookup stops at its first miss anyway)
+        self._done.put(("verdicts", list(zip(keys, held))))
         self.counts["vllm_tier_lookup_keys"] += len(keys)
-        self.counts["vllm_tier_lookup_hits"] += present
+        self.counts["vllm_tier_lookup_hits"] += sum(held)
 
     def _run_store(self, job_id: int, keys: list[OffloadKey], chunk_ids: list[int]) -> None:
         t0 = time.monotonic()

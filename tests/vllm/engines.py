@@ -69,7 +69,7 @@ class Engine:
 
     def __init__(self, model_dir: str, dtype: str = "bfloat16", kvmesh: dict | None = None,
                  block_size: int | None = None, format_version: int | None = None,
-                 connector: dict | None = None) -> None:
+                 connector: dict | None = None, llm_kw: dict | None = None) -> None:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         from vllm import LLM
 
@@ -78,6 +78,7 @@ class Engine:
 
             kvmesh_vllm.VLLM_FORMAT_VERSION = format_version
         kw = {"block_size": block_size} if block_size else {}
+        kw.update(llm_kw or {})
         if kvmesh is not None:
             kw["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": kvmesh}
         if connector is not None:  # another KV transfer config altogether

@@ -176,6 +176,51 @@ class TierEngine:
         return {"hits": len(hits), "rows": rows, "steps": steps, "seconds": took, "sources": sources,
                 "results": [r.name for r in results], "stats": repr(stats), "counts": dict(self.tier.counts)}
 
+    def promotion_ending_during_lookups(self, req_id: str, prompt: list[int], other: list[int],
+                                        timeout_s: float = 20.0) -> dict:
+        """`prompt`'s chunks are promoted from the tier; their load job ends while the scheduler is between two
+        lookups of one step (after the step's first lookup polled the finished jobs, before a later lookup that
+        reaches the tier: another request's `other`). Then steps until `prompt`'s chunks are ready in the primary
+        tier, or `timeout_s`."""
+        import threading
+
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+        ctx, ctx2 = ReqContext(req_id=req_id), ReqContext(req_id=req_id + "-other")
+        self.m.on_new_request(ctx)
+        self.m.on_new_request(ctx2)
+        keys, other_keys = self.keys(prompt), self.keys(other)
+        limit = time.monotonic() + timeout_s
+        gate = threading.Event()
+        self.tier._run_hold = lambda ev: ev.wait(timeout_s)  # a task that holds the tier thread
+        while True:  # until the lookups start the promotion (the tier's verdicts are in)
+            results = [self.m.lookup(k, ctx) for k in keys]
+            if all(r is LookupResult.HIT_PENDING for r in results) or time.monotonic() > limit:
+                break
+            self._step()
+            time.sleep(0.05)
+        self.tier._submit(-1, ("hold", gate))  # the load the step's end submits waits behind it
+        self._step()
+        # the next step: its first lookup polls the finished jobs (none yet) ...
+        self.m.lookup(other_keys[0], ctx2)
+        gate.set()
+        self.tier.drain_jobs()  # ... the load ends ...
+        self.m.lookup(other_keys[1], ctx2)  # ... and a later lookup of the step reaches the tier
+        self._step()
+        while time.monotonic() < limit:
+            results = [self.m.lookup(k, ctx) for k in keys]
+            self._step()
+            if all(r is LookupResult.HIT for r in results):
+                break
+            time.sleep(0.05)
+        self.m.on_request_finished(ctx)
+        self.m.on_request_finished(ctx2)
+        settle = time.monotonic() + 10
+        while self.m.has_pending_work() and time.monotonic() < settle:  # every job reported, none left behind
+            self._step()
+            time.sleep(0.05)
+        return {"results": [r.name for r in results], "pending_work": self.m.has_pending_work()}
+
     def spec_bytes(self) -> bytes:
         return self.tier.spec.canonical_bytes()
 
@@ -329,6 +374,71 @@ def test_a_hybrid_model_shares_prefixes_through_the_tier_with_the_output_of_a_re
     assert r["b"]["ids"] == r["ref"]["ids"] and r["b"]["ids"] != r["a"]["ids"]
 
 
+def test_a_hybrid_prompt_extending_a_cached_prefix_loads_it_through_the_tier(offload_hybrid):
+    # vLLM's OffloadingConnector looks a sliding-window group's keys up from the prompt's END backwards
+    # (`_sliding_window_lookup`): the chunks past the cached prefix come first. The tier must answer each key for
+    # itself, not "absent from the first absent key on" (which made every key of the window group a miss, and the
+    # whole hit 0, for any prompt longer than what kvmesh holds)
+    from tests.vllm.engines import delta
+
+    a, b = offload_hybrid
+    prefix = tokens(60, 1024)
+    ray.get(a.generate.remote([prefix + tokens(61, 40)]), timeout=300)
+    ray.get(a.tier_settle.remote(), timeout=60)
+    pb = prefix + tokens(62, 300)  # two more full chunks than A cascaded
+    before = ray.get(b.prompt_tokens_by_source.remote())
+    out = ray.get(b.generate.remote([pb]), timeout=300)
+    src = delta(ray.get(b.prompt_tokens_by_source.remote()), before)
+    ref = ray.get(b.generate.remote([pb], recompute=True), timeout=300)
+    print(f"\nB, a prompt extending A's prefix: tokens by source {src}, cached {out[0]['cached']}, "
+          f"tier {ray.get(b.tier_counts.remote())}")
+    assert out[0]["ids"] == ref[0]["ids"]
+    assert src.get("external_kv_transfer", 0) == 1024 and out[0]["cached"] == 1024
+
+
+def test_engines_whose_config_overrides_change_the_kv_never_share_rows(tiers, offload):
+    # the same model directory, but A overrides rms_norm_eps: its KV for the same tokens differs, so B (the offload
+    # pair's B: no overrides) must not promote A's rows (it would attend to KV of another model)
+    from tests.vllm.engines import delta, start_engine
+
+    n1, _ = tiers["nodes"]
+    _, b = offload
+    tier = {"type": "KVMeshTier", "module_path": "kvmesh.integrations.vllm_tier", "fetch_timeout_s": 5.0}
+    conn = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "CPUTieringOffloadingSpec",
+                                          "spec_module_path": "tests.vllm.cpu_offload", "cpu_bytes_to_use": 16 << 20,
+                                          "secondary_tiers": [tier]}}
+    a = start_engine(n1, tiers["work"], tiers["model"], connector=conn, llm_kw={"hf_overrides": {"rms_norm_eps": 1.0}})
+    try:
+        assert ray.get(a.node_id.remote(), timeout=600) == n1
+        prefix = tokens(80, 1024)
+        ray.get(a.generate.remote([prefix + tokens(81, 40)]), timeout=300)
+        ray.get(a.tier_settle.remote(), timeout=60)
+        pb = prefix + tokens(82, 40)
+        before = ray.get(b.prompt_tokens_by_source.remote())
+        out = ray.get(b.generate.remote([pb]), timeout=300)
+        src = delta(ray.get(b.prompt_tokens_by_source.remote()), before)
+        ref = ray.get(b.generate.remote([pb], recompute=True), timeout=300)
+        print(f"\nB after A with overrides: {src}, {ray.get(b.tier_counts.remote())}")
+        assert out[0]["ids"] == ref[0]["ids"]
+        assert src.get("external_kv_transfer", 0) == 0
+    finally:
+        ray.kill(a)
+
+
+def test_a_promotion_that_ends_between_two_lookups_of_a_step_is_not_lost(tiers):
+    # KVMeshTier.lookup drained the tier's finished jobs along with its verdicts and dropped the jobs: a promotion
+    # that ended between the step's first lookup (vLLM polls finished jobs there, once per step) and a later one
+    # was never reported, so its chunks stayed "being written" in the primary tier (HIT_PENDING) forever and the
+    # request never ran (seen as an engine spinning at 100 % CPU with the request waiting)
+    a, b = tiers["A"], tiers["B"]
+    p, other = tokens(90, PROMPT), tokens(91, PROMPT)
+    assert ray.get(a.store.remote("a9", p), timeout=120)["stored"] == 8
+    got = ray.get(b.promotion_ending_during_lookups.remote("b9", p, other), timeout=120)
+    assert got["results"] == ["HIT"] * 8, got
+    assert not got["pending_work"]
+
+
 def test_a_killed_holder_turns_into_misses_without_hanging_the_scheduler(tiers, offload, vllm_mesh):
     # last in the module that needs node 1: removes it (both A engines, its KVNode and its CPU tier)
     cluster, mesh = vllm_mesh
@@ -395,4 +505,15 @@ def test_the_tiers_options_and_identity_are_checked():
               tier_spec(config(model=NS(name="org/model", dtype="float16")), 4096, opts),
               tier_spec(config(), 4096, {"model_revision": "r2"})]
     assert len({base.namespace, *(o.namespace for o in others)}) == 1 + len(others)
-
+    # what of the engine's model config changes its KV (vLLM's OffloadingConfig does not say): overrides,
+    # quantization, a compute dtype other than the KV dtype; a plain engine's identity is what it was
+    plain = NS(hf_overrides={}, quantization=None, dtype="bfloat16")
+    assert tier_spec(config(), 4096, opts, plain).namespace == base.namespace
+    changed = [tier_spec(config(), 4096, opts, NS(hf_overrides={"rope_theta": 50.0}, quantization=None,
+                                                   dtype="bfloat16")),
+               tier_spec(config(), 4096, opts, NS(hf_overrides={}, quantization="awq", dtype="bfloat16")),
+               tier_spec(config(model=NS(name="org/model", dtype="fp8_e4m3")), 4096, opts,
+                         NS(hf_overrides={}, quantization=None, dtype="bfloat16"))]
+    assert len({base.namespace, *(c.namespace for c in changed)}) == 1 + len(changed)
+    with pytest.raises(ValueError, match="model_id"):  # a function cannot be fingerprinted
+        tier_spec(config(), 4096, opts, NS(hf_overrides=lambda c: c, quantization=None, dtype="bfloat16"))

@@ -7,6 +7,7 @@ affinity, and restarted by Ray if their process dies (a restart is a new incarna
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,12 +142,23 @@ def _wait_until_up(ray, placed: list, timeout_s: float) -> list:
     """The handles of the KVNodes that answered. A node that died while they started (Ray listed it alive, but
     its actor can no longer be placed there) is left out; any other failure, on a node that is still alive, is
     raised."""
+    deadline = time.monotonic() + timeout_s
     refs = [h.hello.remote() for _, h in placed]
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     up = []
     for (node_id, h), ref in zip(placed, refs):
         try:
-            ray.get(ref, timeout=1.0)  # ready, or past the wait above
+            while True:
+                try:
+                    ray.get(ref, timeout=1.0)  # ready, or past the wait above
+                    break
+                except ray.exceptions.ActorUnavailableError:  # Ray could not reach the actor's process for a
+                    # moment (a new actor on a loaded machine: "connection refused"): hello changes nothing, ask
+                    # again until the deadline
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+                    ref = h.hello.remote()
         except Exception as e:
             if _node_alive(ray, node_id):
                 lines = [line.strip() for line in str(e).splitlines() if line.strip()]

@@ -14,20 +14,12 @@ import torch
 import kvmesh
 from kvmesh import KVSpec
 from tests.integration.conftest import on_node
+from tests.integration.test_mesh import random_kv, tokens
+from tests.integration.test_mesh import spec as mesh_spec
 
 
 def spec(model="fork") -> KVSpec:
-    return KVSpec(model, num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=32)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 50_000, (n,), generator=g).tolist()
-
-
-def random_kv(s: KVSpec, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(s.kv_shape(n), generator=g).to(s.torch_dtype)
+    return mesh_spec(model)
 
 
 def in_forked_child(fn, start_method: str = "os.fork", timeout_s: int = 15):

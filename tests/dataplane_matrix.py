@@ -23,6 +23,7 @@ bytes as they landed on the device (not by xxh3 on the reader's CPU threads): a 
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 
@@ -36,6 +37,10 @@ SPLITS = ("one_run", "per_chunk", "interleaved")
 FAULTS = ("none", "holder_removed", "corrupt")
 N, K = 6, 2  # chunks per case; the chunk a corruption hits
 SPEC = KVSpec("matrix", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=32)
+if os.environ.get("KVMESH_MATRIX_SPEC"):  # another shape: "layers,kv_heads,head_dim,dtype,chunk_tokens"
+    _l, _h, _d, _t, _c = os.environ["KVMESH_MATRIX_SPEC"].split(",")
+    SPEC = KVSpec("matrix", num_layers=int(_l), num_kv_heads=int(_h), head_dim=int(_d), dtype=_t,
+                  chunk_tokens=int(_c))
 
 # (reader, holder of the even chunks, holder of the odd chunks) per source; roles are the backend's nodes:
 # A and B hold in memory, C reads, D holds on disk, G holds in its GPU tier
@@ -81,6 +86,20 @@ def data(seed: int, n: int = N) -> tuple[list[int], torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     toks = torch.randint(0, 50_000, (n * SPEC.chunk_tokens,), generator=g).tolist()
     return toks, torch.randn(SPEC.kv_shape(len(toks)), generator=g).to(SPEC.torch_dtype)
+
+
+def corrupt_offset() -> int:
+    """Where in a chunk a corruption flips its byte: inside the chunk, whatever the shape."""
+    return min(1000, SPEC.chunk_bytes // 2)
+
+
+def to_ray(t: torch.Tensor) -> torch.Tensor:
+    """A KV tensor as bytes for a Ray argument or result (torch cannot unpickle float8 tensors); `from_ray` undoes it."""
+    return t.contiguous().view(torch.uint8)
+
+
+def from_ray(t: torch.Tensor) -> torch.Tensor:
+    return t.view(SPEC.torch_dtype)
 
 
 def keys(toks) -> list[bytes]:

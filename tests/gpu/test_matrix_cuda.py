@@ -20,7 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (KVMESH_PLAIN_MATRIX=1 runs it on the CPU device sink, to debug it where there is no GPU)
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(DEVICE == "cpu" and not os.environ.get("KVMESH_PLAIN_MATRIX"),
                                                   reason="needs a CUDA GPU")]
-SLOT = 64 * 1024
+SLOT = max(64 * 1024, mx.SPEC.chunk_bytes)
 
 
 class PlainBackend:
@@ -117,16 +117,17 @@ class PlainBackend:
         key = mx.keys(toks)[index]
         if role == "G":  # one byte of the chunk's slot in the GPU pool
             gpu = self.nodes[role].cascade.gpu
-            byte = gpu.buffer(gpu.slot_of(key))[1000:1001]
+            at = mx.corrupt_offset()
+            byte = gpu.buffer(gpu.slot_of(key))[at:at + 1]
             byte.bitwise_xor_(0x20)
             torch.cuda.synchronize()
             return
         (tier, path, offset), = [w for w in self.nodes[role].locate([key])[0]
                                  if w[0] == ("disk" if role == "D" else "cpu")]
         with open(path, "r+b") as f:
-            f.seek(offset + 1000)
+            f.seek(offset + mx.corrupt_offset())
             b = f.read(1)
-            f.seek(offset + 1000)
+            f.seek(offset + mx.corrupt_offset())
             f.write(bytes([b[0] ^ 0x20]))
             f.flush()
             os.fsync(f.fileno())

@@ -23,6 +23,9 @@ class Worker:
         self.client = None
 
     def store(self, toks, kv, only, filler=None):
+        kv = mx.from_ray(kv)
+        if filler is not None:
+            filler = (filler[0], mx.from_ray(filler[1]))
         c = kvmesh.connect(mx.SPEC)
         try:
             keys = c.hashes(toks)
@@ -54,20 +57,20 @@ class Worker:
             if sink == "device":
                 load, n = c.fetch_to_device(match, "cpu")
                 if load is None:
-                    return 0, torch_empty(), []
+                    return 0, mx.to_ray(torch_empty()), []
                 try:
                     n = min(n, load.first_unverified())
                     got = load.staging[:n].permute(1, 2, 0, 3, 4, 5).reshape(s.kv_shape(n * s.chunk_tokens)).clone()
                 finally:
                     load.release()
-                return n, got, mx.device_checked(load)
+                return n, mx.to_ray(got), mx.device_checked(load)
             out = None
             if sink == "out":
                 import torch
 
                 out = torch.full(s.kv_shape(match.num_tokens + s.chunk_tokens), float("nan"), dtype=s.torch_dtype)
             got = c.fetch(match, out=out)
-            return got.shape[2] // s.chunk_tokens, got.clone(), []
+            return got.shape[2] // s.chunk_tokens, mx.to_ray(got.clone()), []
         finally:
             c.close()
             self.client = None
@@ -106,8 +109,9 @@ class RayBackend:
         filler = None
         if role == "D":  # more chunks than D's CPU tier holds, stored after: the case's chunks go to disk
             self.seq += 1
-            filler = mx.data(1_000_000 + self.seq, n=12)
-        assert ray.get(self.workers[role].store.remote(toks, kv, only, filler), timeout=60) == len(only)
+            filler_toks, filler_kv = mx.data(1_000_000 + self.seq, n=12)
+            filler = (filler_toks, mx.to_ray(filler_kv))
+        assert ray.get(self.workers[role].store.remote(toks, mx.to_ray(kv), only, filler), timeout=60) == len(only)
         if role == "D":
             keys = mx.keys(toks)
             want = [keys[i] for i in only]
@@ -119,7 +123,7 @@ class RayBackend:
 
     def fetch(self, role, match, sink, opts):
         n, got, self.device_checked = ray.get(self.workers[role].fetch.remote(match, sink), timeout=60)
-        return n, got
+        return n, mx.from_ray(got)
 
     def kill(self, role):
         actor = self.actor(role)
@@ -137,9 +141,9 @@ class RayBackend:
         import os
 
         with open(path, "r+b") as f:
-            f.seek(offset + 1000)
+            f.seek(offset + mx.corrupt_offset())
             b = f.read(1)
-            f.seek(offset + 1000)
+            f.seek(offset + mx.corrupt_offset())
             f.write(bytes([b[0] ^ 0x20]))
             f.flush()
             os.fsync(f.fileno())

@@ -95,6 +95,14 @@ def remove_stale_slabs(shm_dir: str = "/dev/shm") -> int:
     return removed
 
 
+def setting_error(name: str, path: str, e: OSError) -> OSError:
+    """`e`, from setting up a tier at `path`, as the same kind of error naming the setting (`KVMeshConfig.<name>`):
+    a start that fails says which option to change ("File exists" for a path that is a file says little)."""
+    if isinstance(e, FileExistsError) and not os.path.isdir(path):
+        e = NotADirectoryError(errno.ENOTDIR, "Not a directory")
+    return type(e)(e.errno, f"KVMeshConfig.{name} {path!r} cannot be used: {e.strerror or e}")
+
+
 def fit_slots(num_slots: int, slot_bytes: int, free_bytes: int) -> int:
     """The CPU tier's slots: as configured, or, where the shared-memory file system cannot hold that many (a
     sparse slab bigger than /dev/shm would die of SIGBUS when touched), as many as half its free space holds (the
@@ -127,10 +135,13 @@ class KVNode:
         # same handle) must not release a pin of this one
         self._pin_ids = itertools.count(secrets.randbits(48) + 1)
         cfg = self.config
-        os.makedirs(cfg.shm_dir, exist_ok=True)
-        remove_stale_slabs(cfg.shm_dir)
         path = os.path.join(cfg.shm_dir, f"kvmesh-{node_id[:16].lower()}-{os.getpid()}-{secrets.token_hex(4)}")
-        st = os.statvfs(cfg.shm_dir)
+        try:
+            os.makedirs(cfg.shm_dir, exist_ok=True)
+            remove_stale_slabs(cfg.shm_dir)
+            st = os.statvfs(cfg.shm_dir)
+        except OSError as e:
+            raise setting_error("shm_dir", cfg.shm_dir, e) from e
         num_slots = fit_slots(cfg.num_slots, cfg.slot_bytes, st.f_bavail * st.f_frsize)
         if num_slots < cfg.num_slots:  # one config for every node; this one's /dev/shm is smaller
             log.warning(
@@ -141,7 +152,10 @@ class KVNode:
                 cfg.shm_dir,
                 num_slots,
             )
-        self.tier = CpuTier(path, num_slots, cfg.slot_bytes)  # the slab every reader maps
+        try:
+            self.tier = CpuTier(path, num_slots, cfg.slot_bytes)  # the slab every reader maps
+        except OSError as e:
+            raise setting_error("shm_dir", cfg.shm_dir, e) from e
         disk = None
         try:  # (a first start that fails here leaves no slab file behind: its pid lives on, nothing would clean it)
             disk, recovered = self._disk_tier() if cfg.disk_bytes else (None, [])
@@ -296,7 +310,7 @@ class KVNode:
             elif lock_fd is not None:
                 os.close(lock_fd)
             if not self._restarted:
-                raise
+                raise setting_error("disk_dir", cfg.disk_dir, e) from e
             self.stats_counts["disk_unavailable"] += 1
             log.error("KVNode %s: the disk tier at %s cannot be used (%s): none", self.node_id[:8], cfg.disk_dir, e)
             return None, []
@@ -750,11 +764,11 @@ class KVNode:
 
     def _io_one(self, disk, kind: str, item) -> None:
         if kind == "write":
-            ok = True
+            ok, no_space = True, False
             try:
                 disk.write_chunk(item.ticket.slot, item.data, item.nbytes, item.ticket.key, item.group, item.checksum)
             except OSError as e:
-                ok = False
+                ok, no_space = False, e.errno == errno.ENOSPC
                 code = errno.errorcode.get(e.errno or 0, "EIO")  # (exported by its errno name: disk_write_E*)
                 self._count(f"disk_write_{code}")
                 log.warning(
@@ -768,6 +782,8 @@ class KVNode:
                 log.exception("KVNode %s: disk write failed", self.node_id[:8])
             with self.lock:
                 self.cascade.finish_write(item, ok)
+                if no_space:  # a disk tier bigger than its file system's free space: the next writes evict from
+                    disk.park_unbacked()  # the slots that have their blocks, instead of failing for good
                 self._post_changes()
         elif kind == "verify":  # a chunk found on disk at start-up: register it once its bytes check out
             failed = None
@@ -872,18 +888,21 @@ class KVNode:
                 incarnation=self.lease.incarnation,
                 chunks=len(self.tier),
                 used_bytes=self.tier.used_bytes,
-                capacity_bytes=self.tier.num_slots * self.tier.slot_bytes,
+                # (less the slots /dev/shm has no memory for now: a peer handing a chunk off looks for room)
+                capacity_bytes=(self.tier.num_slots - self.tier.unbacked_slots) * self.tier.slot_bytes,
                 pinned=sum(len(s) + len(g) for s, g, _ in self._pins.values()),
                 fenced=self.fenced,
                 slab_devsums_queued=self.tier.devsum_queued() + self._devsum_busy,
                 slab_unbacked_refusals=self.tier.unbacked_refusals,
+                slab_unbacked_slots=self.tier.unbacked_slots,
             )
             disk = self.cascade.disk
             if disk is not None:
                 d.update(
                     disk_chunks=len(disk),
                     disk_used_bytes=disk.used_bytes,
-                    disk_capacity_bytes=disk.num_slots * disk.slot_bytes,
+                    disk_capacity_bytes=(disk.num_slots - disk.unbacked_slots) * disk.slot_bytes,
+                    disk_unbacked_slots=disk.unbacked_slots,
                     disk_direct_io=disk.direct_io,
                     disk_pending_io=self._io_outstanding,  # (queued, and those an I/O thread is doing)
                 )
@@ -899,7 +918,7 @@ class KVNode:
                     "tier": TIER_NAMES[t.tier_id],
                     "chunks": len(t),
                     "used_bytes": t.used_bytes,
-                    "capacity_bytes": t.num_slots * t.slot_bytes,
+                    "capacity_bytes": (t.num_slots - t.unbacked_slots) * t.slot_bytes,
                 }
                 for t in self.cascade._tiers()
             ]

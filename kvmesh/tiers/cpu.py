@@ -113,7 +113,7 @@ class CpuTier(SlotPool):
             os.close(fd)
             raise
         self._fd = fd
-        self._backed = bytearray(num_slots)  # per slot: its memory is allocated (posix_fallocate)
+        # (self._backed, per slot: its memory is allocated (posix_fallocate))
         self.unbacked_refusals = 0  # stores refused because the file system had no memory left for their slot
         if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer page-table entries for DMA where shmem huge pages are allowed
             try:
@@ -145,6 +145,7 @@ class CpuTier(SlotPool):
             return None
         if not self._backed[ticket.slot] and not self._back(ticket.slot):
             self.abort_store(ticket)  # (its victims went down the cascade as for any store)
+            self.park_unbacked()  # the next stores evict from the slots that have memory
             return None
         self._generation[ticket.slot] += 1  # new bytes: a device checksum being computed over the old ones is void
         return ticket

@@ -142,6 +142,7 @@ class DiskTier(SlotPool):
             raise OSError(self.fail_writes_with, os.strerror(self.fail_writes_with))
         with self._use():
             self._write_chunk(slot, data, nbytes, key, group, chunk_checksum, namespace)
+        self._backed[slot] = 1  # its blocks are allocated now (the file is sparse): see SlotPool.park_unbacked
 
     def _write_chunk(self, slot, data, nbytes, key, group, chunk_checksum, namespace) -> None:
         off = self._offset(slot)
@@ -272,7 +273,10 @@ class DiskTier(SlotPool):
         self._dfd = self._lock_fd = None
         self._fd = -1  # closed: a read or write past close() fails (EBADF)
         if idle and not self._zero.closed:
-            self._zero.close()
+            try:
+                self._zero.close()
+            except BufferError:  # a view of it outlives a failed write (its exception's traceback, kept by a log
+                pass  # handler): unmapped once that goes; a shutdown must not stop here
 
 
 def claim_directory(root: str, node_id: str) -> tuple[str, int]:

@@ -20,6 +20,7 @@ or in `_by_key`, never both.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +47,9 @@ class Slot:
         self.devsum: int | None = None
 
 
+BACKING_RETRY_S = 1.0  # slots set aside for want of space (`park_unbacked`) are tried again after this
+
+
 @dataclass(frozen=True, slots=True)
 class StoreTicket:
     slot: int
@@ -64,6 +68,14 @@ class SlotPool:
         self.slot_bytes = slot_bytes
         self._slots = [Slot() for _ in range(num_slots)]
         self._free = list(range(num_slots - 1, -1, -1))  # stack: low slots first
+        # Free slots whose memory or disk space the file system has not given yet (a sparse slab or file): each
+        # tier sets a slot's flag once it has its space. When the file system has no more (a full /dev/shm or
+        # disk), the free slots without space are set aside (`park_unbacked`): stores then evict from the slots
+        # that have it, as an LRU of the smaller tier, instead of each popping such a slot again and being refused
+        # for as long as the file system stays full (the tier froze with what it held)
+        self._backed = bytearray(num_slots)
+        self._parked: list[int] = []
+        self._parked_at = 0.0
         self._by_key: dict[bytes, int] = {}
         self.group_counts: Counter[bytes] = Counter()  # group -> slots holding (or receiving) its chunks
         self._policy: LRUPolicy[bytes] = LRUPolicy()
@@ -102,6 +114,9 @@ class SlotPool:
         assert 0 < nbytes <= self.slot_bytes
         if key in self._by_key:
             return None
+        if self._parked and time.monotonic() - self._parked_at >= BACKING_RETRY_S:  # (the file system may have
+            self._free.extend(sorted(self._parked, reverse=True))  # room again: tried first, low slots first)
+            self._parked = []
         evicted: list[tuple[bytes, bytes]] = []
         if not self._free:
             victims = self._policy.evict(1, lambda k: self._slots[self._by_key[k]].pins == 0 and k not in protect)
@@ -148,9 +163,25 @@ class SlotPool:
             self._by_key[key] = slot
             self.group_counts[group] += 1
             self._policy.insert(key)
+            self._backed[slot] = 1  # (found in place: it has its space)
             taken += 1
         self._free = [i for i in self._free if i in free]
         return taken
+
+    def park_unbacked(self) -> int:
+        """The file system had no space for a slot: set the free slots without space aside (for
+        BACKING_RETRY_S). Returns how many are set aside now."""
+        unbacked = [i for i in self._free if not self._backed[i]]
+        if unbacked:
+            self._free = [i for i in self._free if self._backed[i]]
+            self._parked.extend(unbacked)
+            self._parked_at = time.monotonic()
+        return len(self._parked)
+
+    @property
+    def unbacked_slots(self) -> int:
+        """Slots set aside now because the file system had no space for them."""
+        return len(self._parked)
 
     def complete_store(self, ticket: StoreTicket, chunk_checksum: int) -> None:
         s = self._slots[ticket.slot]
@@ -235,9 +266,11 @@ class SlotPool:
     def check_integrity(self, verify_checksums: bool = False) -> None:
         free = set(self._free)
         assert len(free) == len(self._free), "slot on the free list twice"
+        parked = set(self._parked)
+        assert len(parked) == len(self._parked) and not parked & free, "slot set aside twice, or set aside and free"
         for i, s in enumerate(self._slots):
             assert s.pins >= 0, f"slot {i} has negative pins"
-            if i in free:
+            if i in free or i in parked:
                 assert s.key is None and s.pins == 0, f"free slot {i} holds a chunk or pins"
                 continue
             assert s.key is not None and self._by_key.get(s.key) == i, f"slot {i} not indexed by its key"
@@ -249,5 +282,5 @@ class SlotPool:
             if not s.ready:
                 assert s.pins >= 1, f"slot {i} being written without the writer's pin"
                 assert s.devsum is None, f"slot {i} has a device checksum before its bytes are complete"
-        assert len(free) + len(self._by_key) == self.num_slots, "slots lost"
+        assert len(free) + len(parked) + len(self._by_key) == self.num_slots, "slots lost"
         assert len(self._policy) <= len(self._by_key)

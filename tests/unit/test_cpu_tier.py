@@ -157,6 +157,34 @@ def test_a_slot_whose_memory_cannot_be_allocated_refuses_its_store(tier, monkeyp
     tier.check_integrity(verify_checksums=True)
 
 
+def test_a_full_shared_memory_leaves_an_lru_of_the_slots_that_have_memory(tier, monkeypatch):
+    """Once /dev/shm had no memory for a slot, every later store popped that same unbacked slot again (abort put it
+    back on top of the free stack) and was refused, for as long as /dev/shm stayed full, while slots that had
+    memory held chunks nobody read: the cache froze with what it held (found by the resource-limits hunt)."""
+    import errno
+
+    from kvmesh.tiers import slots as slots_mod
+
+    assert put(tier, 1) is not None and put(tier, 2) is not None  # 2 of 4 slots have memory
+    real = os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    assert put(tier, 3) is None and tier.unbacked_refusals == 1  # the store that found /dev/shm full
+    for i in range(4, 10):  # later ones evict least recent chunks from the slots that have memory
+        assert put(tier, i) is not None, f"store {i} refused with 2 evictable slots"
+    assert [tier.slot_of(key(i)) is not None for i in (8, 9)] == [True, True] and len(tier) == 2
+    assert tier.unbacked_refusals == 1
+    tier.check_integrity(verify_checksums=True)
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    monkeypatch.setattr(slots_mod, "BACKING_RETRY_S", 0.0)  # memory again: the set-aside slots are used again
+    assert all(put(tier, i) is not None for i in (10, 11))
+    assert len(tier) == 4
+    tier.check_integrity(verify_checksums=True)
+
+
 def test_a_chunk_discarded_while_it_is_written_is_released_when_the_write_completes(tier):
     ticket = tier.prepare_store(key(1), b"g" * 16, SLOT)
     assert tier.discard(key(1))  # (a corrupt report, an eviction) while the writer still fills the slot

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.cudart import side_stream
+from kvmesh.paged import raw
 from kvmesh.spec import KVSpec
 
 MiB = 1 << 20
@@ -56,8 +57,8 @@ def gather_paged(
     if out is None:
         out = torch.empty((n, len(layers), 2, c, h, d), dtype=layers[0].dtype, device=layers[0].device)
     for i, kv in enumerate(layers):
-        g = kv.index_select(1, flat)  # [2, N*pages, bs, H, D]: one kernel for every page of the batch
-        out[:, i].copy_(g.view(2, n, c, h, d).transpose(0, 1))
+        g = raw(kv).index_select(1, flat)  # [2, N*pages, bs, H, D]: one kernel for every page of the batch
+        raw(out[:, i]).copy_(g.view(2, n, c, h, d).transpose(0, 1))
     return out
 
 
@@ -69,7 +70,7 @@ def scatter_paged(chunks: torch.Tensor, layers: Sequence[torch.Tensor], block_ta
     idx = block_table.to(layers[0].device, torch.long)
     for i, kv in enumerate(layers):
         for j in (0, 1):
-            kv[j][idx] = chunks[:, i, j].view(n, pages, bs, h, d)
+            raw(kv[j])[idx] = raw(chunks[:, i, j]).view(n, pages, bs, h, d)
 
 
 def gather_contiguous(
@@ -246,7 +247,7 @@ def _store_batches(layers, block_table, host_dsts, batch_chunks, stream):
                 stream.wait_event(free[j % 2])
             flat = block_table[a:b].reshape(-1).to(device, torch.long)
             for i, kv in enumerate(layers):
-                torch.index_select(kv, 1, flat, out=staged[i])
+                torch.index_select(raw(kv), 1, flat, out=raw(staged[i]))
             gathered = torch.cuda.Event()
             gathered.record(stream)
         copy_stream.wait_event(gathered)

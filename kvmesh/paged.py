@@ -36,6 +36,13 @@ from dataclasses import dataclass
 import torch
 
 
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """`t` as unsigned bytes of the same shape when its dtype is a one-byte float (fp8 KV caches): CUDA has no
+    indexed copy (`index_copy_`, `index_put_`) for float8 types, and moving KV never needs its values, only its
+    bytes. Other tensors as they are."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+
+
 @dataclass(frozen=True)
 class HeadMajorCodec:
     block_size: int
@@ -86,14 +93,17 @@ class LearnedCodec:
     def pieces(self, blocks: torch.Tensor) -> torch.Tensor:
         n = blocks.shape[0]
         flat = blocks.reshape(n, -1)
-        return flat.index_select(1, self.to_piece.to(flat.device)).view(
-            n, 2, self.block_size, self.num_kv_heads, self.head_dim
+        return (
+            raw(flat)
+            .index_select(1, self.to_piece.to(flat.device))
+            .view(flat.dtype)
+            .view(n, 2, self.block_size, self.num_kv_heads, self.head_dim)
         )
 
     def blocks(self, pieces: torch.Tensor) -> torch.Tensor:
         n = pieces.shape[0]
         flat = pieces.reshape(n, -1)
-        return flat.index_select(1, self.to_block.to(flat.device)).view(n, *self.block_shape)
+        return raw(flat).index_select(1, self.to_block.to(flat.device)).view(flat.dtype).view(n, *self.block_shape)
 
 
 # Coordinates go through the kernel in base-128 digits (each digit + 1, so 0 means "never written"): every value
@@ -163,7 +173,7 @@ def gather_chunks(layers: Sequence[torch.Tensor], codec, block_ids: torch.Tensor
     m = c // bs
     idx = block_ids.to(layers[0].device, torch.long)
     for i, layer in enumerate(layers):
-        p = codec.pieces(layer.index_select(0, idx))  # [N*m, 2, bs, H, D]
+        p = codec.pieces(raw(layer).index_select(0, idx).view(layer.dtype))  # [N*m, 2, bs, H, D]
         out[:, i].view(n, 2, m, bs, h, d).copy_(p.reshape(n, m, 2, bs, h, d).transpose(1, 2))
     return out
 
@@ -177,7 +187,9 @@ def scatter_layer(kv_layer: torch.Tensor, layer: torch.Tensor, codec, block_ids:
     if first >= n:
         return
     pieces = kv_layer.view(2, n, bs, h, d).transpose(0, 1)[first:]  # [n - first, 2, bs, H, D]
-    layer.index_copy_(0, block_ids[first:].to(layer.device, torch.long), codec.blocks(pieces).to(layer.device))
+    raw(layer).index_copy_(
+        0, block_ids[first:].to(layer.device, torch.long), raw(codec.blocks(pieces).to(layer.device))
+    )
 
 
 def _words(*ts: torch.Tensor) -> list[torch.Tensor]:
@@ -207,9 +219,9 @@ def scatter_chunks(chunks: torch.Tensor, layer: torch.Tensor, codec, block_ids: 
     pieces = chunks.view(k, 2, m, bs, h, d).transpose(1, 2)  # [k, m, 2, bs, H, D]: piece j of chunk i
     if not isinstance(codec, SplitKVCodec):
         flat = pieces.reshape(k * m, 2, bs, h, d)[first:n]
-        layer.index_copy_(0, ids[first:n], codec.blocks(flat).to(layer.device))
+        raw(layer).index_copy_(0, ids[first:n], raw(codec.blocks(flat).to(layer.device)))
         return
-    dst, src = _words(layer, pieces.to(layer.device))
+    dst, src = _words(raw(layer), raw(pieces.to(layer.device)))
     a, b = -(-first // m), n // m  # the whole chunks [a, b)
     if a > b:  # first and n fall in one chunk
         parts = [(first // m, first, n)]

@@ -7,7 +7,9 @@ chunks in a dict (the worker's own logic, streams and layouts are what is under 
 real KVNode (a plain object, no Ray) and a real redis-server: the data plane's device sink DMAs the chunks from the
 node's page-locked slab, and a chunk that fails its checksum is never used. Skipped without a GPU."""
 
+import dataclasses
 import hashlib
+import os
 import sys
 import threading
 import time
@@ -46,8 +48,13 @@ def vllm_names():
 
 from kvmesh import KVSpec  # noqa: E402
 
-L, H, D, BS, C = 4, 2, 64, 16, 64  # 4 blocks per chunk
-SPEC = KVSpec("vllm-cuda", L, H, D, "bfloat16", chunk_tokens=C)
+L, H, D, BS, C, DTYPE = 4, 2, 64, 16, 64, "bfloat16"  # 4 blocks per chunk
+if os.environ.get("KVMESH_VLLM_CUDA_SHAPE"):  # another shape: "layers,kv_heads,head_dim,block_size,chunk_tokens,dtype"
+    *_ints, DTYPE = os.environ["KVMESH_VLLM_CUDA_SHAPE"].split(",")
+    L, H, D, BS, C = map(int, _ints)
+SPEC = KVSpec("vllm-cuda", L, H, D, DTYPE, chunk_tokens=C)
+P = C // BS  # blocks per chunk
+assert P * BS == C
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
 NB = 96
 
@@ -55,7 +62,8 @@ NB = 96
 class Client:
     """Chunks by hash in a dict, on the CPU (what the worker hands to and asks of `KVMeshClient`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, spec=SPEC) -> None:
+        self.spec = spec
         self.chunks: dict[bytes, torch.Tensor] = {}
         self.counts: Counter = Counter()
         self.config = NS(fetch_timeout_s=10.0)
@@ -88,7 +96,7 @@ class Client:
 
         srcs = [self.chunks[k].contiguous().view(-1).view(torch.uint8).pin_memory() for k in match.keys]
         self.last_fetch = NS(local_chunks=match.num_chunks, peer_chunks=0, seconds=0.0, error="", runs=())
-        return to_device(srcs, SPEC, device, min_copy_bytes=0), match.num_chunks
+        return to_device(srcs, self.spec, device, min_copy_bytes=0), match.num_chunks
 
     def flush(self, timeout_s=None):
         pass
@@ -105,23 +113,23 @@ def _logical(phys):  # [NB, bs, H, 2D] memory -> vLLM's logical [NB, H, bs, 2D] 
 
 LAYOUTS = {
     # vLLM 0.32 (KVCacheLayout): logical [blocks, H, bs, 2D] per layer over each backend's physical order
-    "flash_attn_LBNHC": (lambda g: [_logical(torch.randn(NB, BS, H, 2 * D, generator=g).to(torch.bfloat16).cuda())
-                                    for _ in range(L)], lambda t, b: t[b]),
-    "flashinfer_LBHNC": (lambda g: [torch.randn(NB, H, BS, 2 * D, generator=g).to(torch.bfloat16).cuda()
+    "flash_attn_LBNHC": (lambda g, dt=SPEC.torch_dtype: [
+        _logical(torch.randn(NB, BS, H, 2 * D, generator=g).to(dt).cuda()) for _ in range(L)], lambda t, b: t[b]),
+    "flashinfer_LBHNC": (lambda g, dt=SPEC.torch_dtype: [torch.randn(NB, H, BS, 2 * D, generator=g).to(dt).cuda()
                                     for _ in range(L)], lambda t, b: t[b]),
     # cross-layer stacked (one allocation [blocks, layers, bs, H, 2D]); vLLM hands over per-layer views of it
-    "cross_layer_BLNHC": (lambda g: (lambda a: [_logical(a[:, i]) for i in range(L)])(
-        torch.randn(NB, L, BS, H, 2 * D, generator=g).to(torch.bfloat16).cuda()), lambda t, b: t[b]),
+    "cross_layer_BLNHC": (lambda g, dt=SPEC.torch_dtype: (lambda a: [_logical(a[:, i]) for i in range(L)])(
+        torch.randn(NB, L, BS, H, 2 * D, generator=g).to(dt).cuda()), lambda t, b: t[b]),
     # vLLM's 5-D layouts before KVCacheLayout (and LMCache's NL_X_TWO_NB_BS_NH_HS / NL_X_NB_TWO_BS_NH_HS)
-    "flash_attn_2_NB_BS_H_D": (lambda g: [torch.randn(2, NB, BS, H, D, generator=g).to(torch.bfloat16).cuda()
+    "flash_attn_2_NB_BS_H_D": (lambda g, dt=SPEC.torch_dtype: [torch.randn(2, NB, BS, H, D, generator=g).to(dt).cuda()
                                           for _ in range(L)], lambda t, b: t[:, b]),
-    "flashinfer_NB_2_BS_H_D": (lambda g: [torch.randn(NB, 2, BS, H, D, generator=g).to(torch.bfloat16).cuda()
+    "flashinfer_NB_2_BS_H_D": (lambda g, dt=SPEC.torch_dtype: [torch.randn(NB, 2, BS, H, D, generator=g).to(dt).cuda()
                                           for _ in range(L)], lambda t, b: t[b]),
 }
 
 
-def worker(client, layers):
-    w = WorkerSide([SPEC], lambda spec: client, ConnectorOptions(), BS, "kv_both", [NAMES], background_copy=True)
+def worker(client, layers, spec=SPEC):
+    w = WorkerSide([spec], lambda spec: client, ConnectorOptions(), BS, "kv_both", [NAMES], background_copy=True)
     w.register(dict(zip(NAMES, layers)))
     return w
 
@@ -137,15 +145,19 @@ def tokens(n_chunks, seed=0):
     return np.random.default_rng(seed).integers(0, 1 << 20, n_chunks * C).astype("<u4")
 
 
+@pytest.mark.parametrize("dtype", [DTYPE, "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_save_then_load_is_bit_exact_in_each_gpu_layout(layout):
+def test_save_then_load_is_bit_exact_in_each_gpu_layout(layout, dtype):
+    """And with an fp8 KV cache (vLLM's kv_cache_dtype="fp8"): CUDA has no index_copy_ for float8 types, so every
+    load into one failed (recomputed) before the indexed copies moved bytes (kvmesh.paged.raw)."""
     make, block = LAYOUTS[layout]
+    spec = dataclasses.replace(SPEC, dtype=dtype)
     g = torch.Generator().manual_seed(1)
-    client = Client()
-    src = make(g)
+    client = Client(spec)
+    src = make(g, spec.torch_dtype)
     toks = tokens(3)
-    save_ids = torch.randperm(NB, generator=g)[:12].tolist()
-    w = worker(client, src)
+    save_ids = torch.randperm(NB, generator=g)[:3 * P].tolist()
+    w = worker(client, src, spec)
     try:
         meta = StepMeta(saves=[SaveJob("r1", toks.tobytes(), 0, 3, save_ids, None, None)])
         w.begin_step(meta)
@@ -154,21 +166,22 @@ def test_save_then_load_is_bit_exact_in_each_gpu_layout(layout):
         assert w.counts["vllm_saved_chunks"] == 3
     finally:
         w.close()
-    dst = [torch.zeros_like(t) for t in make(torch.Generator().manual_seed(2))]  # same layout, zeroed
-    load_ids = torch.randperm(NB, generator=g)[:12].tolist()
-    w2 = worker(client, dst)
+    dst = [torch.zeros_like(t) for t in make(torch.Generator().manual_seed(2), spec.torch_dtype)]  # zeroed
+    load_ids = torch.randperm(NB, generator=g)[:3 * P].tolist()
+    w2 = worker(client, dst, spec)
     try:
         # vLLM already has the first block (its own prefix cache): skip_blocks=1 leaves it alone
-        meta = StepMeta(loads=[LoadJob("r2", toks.tobytes(), 0, 3, load_ids, 1, 12, None, None, sync=False)])
+        meta = StepMeta(loads=[LoadJob("r2", toks.tobytes(), 0, 3, load_ids, 1, 3 * P, None, None, sync=False)])
         w2.start_loads(meta)
         done = set()
         wait_for(lambda: done.update(w2.finished(set())[1] or ()) or "r2" in done)
         assert w2.load_errors() == set()
         torch.cuda.synchronize()
         for i in range(L):
-            assert not bool(block(dst[i], load_ids[0]).ne(0).any()), "a skipped block was written"
-            for s, d in zip(save_ids[1:], load_ids[1:]):
-                assert torch.equal(block(dst[i], d), block(src[i], s)), f"layer {i} block {s}->{d}"
+            assert not bool(block(dst[i], load_ids[0]).view(torch.uint8).ne(0).any()), "a skipped block was written"
+            for s, d in zip(save_ids[1:], load_ids[1:]):  # (bytes: CUDA cannot compare float8 tensors)
+                assert torch.equal(block(dst[i], d).view(torch.uint8), block(src[i], s).view(torch.uint8)), \
+                    f"layer {i} block {s}->{d}"
     finally:
         w2.close()
 
@@ -178,12 +191,13 @@ def test_the_background_save_never_stalls_the_compute_stream():
     client = Client()
     layers = make(torch.Generator().manual_seed(3))
     toks = tokens(8, seed=3)
-    ids = list(range(32))
+    ids = list(range(8 * P))
+    second = P + (P > 1)  # chunk 1's second block (its only one when a chunk is one block)
     w = worker(client, layers)
     try:
         torch.cuda.synchronize()
         torch.cuda._sleep(int(1e9))  # the step's kernels are still running when vLLM ends the step (~0.5 s)
-        layers[0][ids[5]].fill_(7)  # ... and the last of them writes a block that the save must see
+        layers[0][ids[second]].fill_(7)  # ... and the last of them writes a block that the save must see
         t0 = time.perf_counter()
         meta = StepMeta(saves=[SaveJob("r", toks.tobytes(), 0, 8, ids, None, None)])
         w.end_step(meta)
@@ -194,18 +208,20 @@ def test_the_background_save_never_stalls_the_compute_stream():
         assert not marker.query()  # the step's kernels are still running: end_step did not wait for them
         marker.synchronize()
         wait_for(lambda: len(client.chunks) == 8)
-        saved = client.chunks[client.hashes(toks)[1]]  # chunk 1 holds block ids[5] as its second block
-        assert bool(saved[0, :, BS:2 * BS].eq(7).all())
+        saved = client.chunks[client.hashes(toks)[1]]  # chunk 1 holds block ids[second]
+        at = (second - P) * BS
+        assert bool(saved[0, :, at:at + BS].eq(7).all())
     finally:
         w.close()
 
 
+@pytest.mark.skipif(L < 2, reason="needs two layers")
 def test_a_synchronous_load_lets_layer_i_wait_for_layer_i_alone():
     make, block = LAYOUTS["flashinfer_LBHNC"]
     client = Client()
     src = make(torch.Generator().manual_seed(4))
     toks = tokens(2, seed=4)
-    save_ids, load_ids = list(range(8)), list(range(40, 48))
+    save_ids, load_ids = list(range(2 * P)), list(range(40, 40 + 2 * P))
     w = worker(client, src)
     meta = StepMeta(saves=[SaveJob("r1", toks.tobytes(), 0, 2, save_ids, None, None)])
     w.end_step(meta)
@@ -224,7 +240,7 @@ def test_a_synchronous_load_lets_layer_i_wait_for_layer_i_alone():
     w2.loader._write = slow_write
     try:
         compute = torch.cuda.Stream()  # the forward pass's stream, not the loader thread's
-        meta = StepMeta(loads=[LoadJob("r2", toks.tobytes(), 0, 2, load_ids, 0, 8, None, None, sync=True)])
+        meta = StepMeta(loads=[LoadJob("r2", toks.tobytes(), 0, 2, load_ids, 0, 2 * P, None, None, sync=True)])
         w2.start_loads(meta)
         batch = w2._sync
         with torch.cuda.stream(compute):
@@ -289,7 +305,7 @@ def load_through(node, dst, toks, ids, sync):
     """Load chunks 0..2 of `toks` into `ids` (the first block vLLM's own: skipped); returns (failed blocks, counts)."""
     w = real_worker(node, dst)
     try:
-        meta = StepMeta(loads=[LoadJob("r", toks.tobytes(), 0, 3, ids, 1, 12, None, None, sync=sync)])
+        meta = StepMeta(loads=[LoadJob("r", toks.tobytes(), 0, 3, ids, 1, 3 * P, None, None, sync=sync)])
         w.start_loads(meta)
         if sync:  # the forward pass: each layer waits for its own writes
             for name in NAMES:
@@ -313,14 +329,15 @@ def test_a_load_through_a_real_node_lands_from_the_slab_on_the_gpu_bit_exact(nod
     g = torch.Generator().manual_seed(seed)
     src = make(g)
     toks = tokens(3, seed=seed)
-    save_ids, load_ids = torch.randperm(NB, generator=g)[:12].tolist(), torch.randperm(NB, generator=g)[:12].tolist()
+    save_ids = torch.randperm(NB, generator=g)[:3 * P].tolist()
+    load_ids = torch.randperm(NB, generator=g)[:3 * P].tolist()
     save_through(node, src, toks, save_ids)
     dst = [torch.zeros_like(t) for t in src]
     failed, counts = load_through(node, dst, toks, load_ids, sync)
     assert failed == set()
     # the device sink took them: DMA'd from this node's slab, not copied through a CPU tensor
     assert counts.get("fetched_chunks_to_device") == 3 and counts.get("fetched_chunks_local") == 3
-    assert counts["vllm_loaded_blocks"] == 11
+    assert counts["vllm_loaded_blocks"] == 3 * P - 1
     for i in range(L):
         assert not bool(block(dst[i], load_ids[0]).ne(0).any()), "a skipped block was written"
         for s, d in zip(save_ids[1:], load_ids[1:]):
@@ -336,7 +353,8 @@ def test_a_chunk_that_fails_its_checksum_in_the_slab_is_never_used(node, sync):
     g = torch.Generator().manual_seed(40 + sync)  # (each variant its own chunks: the node keeps the other's)
     src = make(g)
     toks = tokens(3, seed=40 + sync)
-    save_ids, load_ids = torch.randperm(NB, generator=g)[:12].tolist(), torch.randperm(NB, generator=g)[:12].tolist()
+    save_ids = torch.randperm(NB, generator=g)[:3 * P].tolist()
+    load_ids = torch.randperm(NB, generator=g)[:3 * P].tolist()
     save_through(node, src, toks, save_ids)
     from kvmesh.client import connect_local
 
@@ -347,19 +365,19 @@ def test_a_chunk_that_fails_its_checksum_in_the_slab_is_never_used(node, sync):
         c.close()
     (_, path, offset), = [w for w in node.locate([key])[0] if w[0] == "cpu"]
     with open(path, "r+b") as f:  # chunk 1 rots in the slab after it was stored
-        f.seek(offset + 1000)
+        f.seek(offset + min(1000, SPEC.chunk_bytes // 2))
         b = f.read(1)
-        f.seek(offset + 1000)
+        f.seek(offset + min(1000, SPEC.chunk_bytes // 2))
         f.write(bytes([b[0] ^ 0x20]))
     dst = [torch.zeros_like(t) for t in src]
     failed, counts = load_through(node, dst, toks, load_ids, sync=sync)
-    assert failed == set(load_ids[4:])  # chunks 1 and 2: vLLM recomputes them
-    assert counts["vllm_loaded_blocks"] == 3
+    assert failed == set(load_ids[P:])  # chunks 1 and 2: vLLM recomputes them
+    assert counts["vllm_loaded_blocks"] == P - 1
     for i in range(L):
-        for s, d in zip(save_ids[1:4], load_ids[1:4]):
+        for s, d in zip(save_ids[1:P], load_ids[1:P]):
             assert torch.equal(block(dst[i], d), block(src[i], s)), f"layer {i} block {s}->{d}"
         if sync:
-            assert not any(bool(block(dst[i], d).ne(0).any()) for d in load_ids[4:]), "a failed block was written"
+            assert not any(bool(block(dst[i], d).ne(0).any()) for d in load_ids[P:]), "a failed block was written"
 
 
 
@@ -374,12 +392,13 @@ def test_what_a_step_computed_on_top_of_a_failed_sync_load_is_never_saved(node):
     g = torch.Generator().manual_seed(60)
     layers = make(g)
     toks, other = tokens(4, seed=60), tokens(1, seed=61)  # chunks 0..2 of `toks` are held nowhere
-    ids = torch.randperm(NB, generator=g)[:16].tolist()
+    ids = torch.randperm(NB, generator=g)[:4 * P].tolist()
     w = real_worker(node, layers)
     try:
-        meta = StepMeta(loads=[LoadJob("r", toks[: 3 * C].tobytes(), 0, 3, ids[:12], 1, 12, None, None, sync=True)],
-                        saves=[SaveJob("r", toks.tobytes(), 3, 4, ids[12:16], None, None),
-                               SaveJob("o", other.tobytes(), 0, 1, ids[:4], None, None)])
+        load = LoadJob("r", toks[: 3 * C].tobytes(), 0, 3, ids[:3 * P], 1, 3 * P, None, None, sync=True)
+        meta = StepMeta(loads=[load],
+                        saves=[SaveJob("r", toks.tobytes(), 3, 4, ids[3 * P:4 * P], None, None),
+                               SaveJob("o", other.tobytes(), 0, 1, ids[:P], None, None)])
         w.start_loads(meta)
         for name in NAMES:
             w.wait_layer(name, meta)

@@ -59,12 +59,12 @@ valkey: $(STAMP)
 	  echo "note: no valkey-server, and it could not be installed here: the Valkey cases will fail in CI"
 
 # then the data-plane matrix again on an odd shape (840-byte chunks of 7 tokens: no power of two anywhere), one run
-# and interleaved splits (tests/dataplane_matrix.py)
+# and interleaved splits, no fault and a corrupt chunk (tests/dataplane_matrix.py)
 MATRIX_ODD_SPEC := 3,1,10,float16,7
 test-core: $(STAMP) chromium redis-tls valkey
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit tests/integration tests/gpu $(ARGS)
-	KVMESH_MATRIX_SPEC=$(MATRIX_ODD_SPEC) $(BIN)/python -m pytest -q -p no:cacheprovider -k 'not per_chunk' \
-	  tests/integration/test_matrix.py tests/gpu/test_matrix_cuda.py $(ARGS)
+	KVMESH_MATRIX_SPEC=$(MATRIX_ODD_SPEC) $(BIN)/python -m pytest -q -p no:cacheprovider \
+	  -k 'not per_chunk and not holder_removed' tests/integration/test_matrix.py tests/gpu/test_matrix_cuda.py $(ARGS)
 
 # kvmesh as a user installs it: the wheel (built by `python -m build`, sdist first), with its dependencies, into a
 # fresh virtualenv that already holds a torch (an engine's); torch must come out untouched (tests/install)

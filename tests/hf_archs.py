@@ -46,8 +46,8 @@ def model(arch: str):
         # num_attention_heads are the encoder's (1 and 2), not its decoder's (2 and 4)
         cfg = tf.BartConfig(vocab_size=VOCAB, d_model=128, encoder_layers=1, decoder_layers=2,
                             encoder_attention_heads=2, decoder_attention_heads=4, encoder_ffn_dim=256,
-                            decoder_ffn_dim=256, max_position_embeddings=1024, init_std=0.2, bos_token_id=1, eos_token_id=2,
-                            pad_token_id=0)
+                            decoder_ffn_dim=256, max_position_embeddings=1024, init_std=0.2, bos_token_id=1,
+                            eos_token_id=2, pad_token_id=0)
         cls = tf.BartForCausalLM
     else:
         cfg = tf.FalconConfig(num_hidden_layers=2, vocab_size=VOCAB, hidden_size=128, num_attention_heads=4,

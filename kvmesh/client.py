@@ -51,7 +51,7 @@ from kvmesh.dataplane.sinks import DeviceSink, HostSink
 from kvmesh.dataplane.sources import Env
 from kvmesh.directory import Directory, Holder, horizon_for, probe
 from kvmesh.forks import ForkedProcessError
-from kvmesh.handle import LocalHandle, NodeHandle, Orphans
+from kvmesh.handle import LocalHandle, NodeHandle, NodeUnavailable, Orphans
 from kvmesh.hashing import HASH_BYTES, as_tokens, chunk_hashes, client_salt, salt_bytes
 from kvmesh.match import ChunkMatch, FetchStats, Match, StoreResult, link_observations
 from kvmesh.nodeview import NodeView, TableFile, relayed
@@ -967,7 +967,7 @@ def connect(
     hello = None
     if local is not None:
         try:
-            hello = local.hello(timeout=30)
+            hello = _hello(local, time.monotonic() + 30)
         except (ConnectionError, TimeoutError) as e:
             if named:
                 raise RuntimeError(f"no KVNode answers on Ray node {node_id}: {e}") from None
@@ -999,6 +999,19 @@ def connect(
         gpu_exports=hello.gpu_exports if hello else (),
         count_fetches=count_fetches,
     )
+
+
+def _hello(local, deadline: float):
+    """The local KVNode's hello by `deadline`, asked again while Ray cannot reach its process for a moment (a
+    KVNode that Ray is restarting answers `ActorUnavailableError` until its new process is up: it runs, and is no
+    "no KVNode")."""
+    while True:
+        try:
+            return local.hello(timeout=max(0.1, deadline - time.monotonic()))
+        except NodeUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def connect_local(

@@ -81,6 +81,11 @@ class NodeCallError(ConnectionError):
     """A call to a KVNode did not get an answer: its actor is gone, or its reply was malformed."""
 
 
+class NodeUnavailable(NodeCallError):
+    """Ray could not reach the KVNode's process for now (`ActorUnavailableError`: it is restarting, or its
+    connection was refused for a moment); the call may not have run, and a later one may be answered."""
+
+
 @dataclass(frozen=True, slots=True)
 class NodeHello:
     info: NodeInfo
@@ -175,6 +180,8 @@ class _RayPending(Pending[T]):
             raw = ray.get(self._ref, timeout=None if timeout is None else max(0.0, timeout))
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError("the KVNode did not answer in time") from None
+        except ray.exceptions.ActorUnavailableError as e:
+            raise NodeUnavailable(f"KVNode call failed: {type(e).__name__}") from None
         except ray.exceptions.RayError as e:
             raise NodeCallError(f"KVNode call failed: {type(e).__name__}") from None
         try:

@@ -31,12 +31,14 @@ keys say. Byte layout (written down once):
 
 SGLang's page key already names its whole prefix, so key_i does too. The spec comes from the storage config, the
 host pool and SGLang's server args: model id (name plus revision, or a fingerprint of a local model directory's
-files; then `--quantization`, a `--json-model-override-args` digest, a `--dtype` other than the pool's, and
-`--kv-cache-dtype` where it is not "auto" — a pool stored as uint8, as every fp8 format is, is refused unless that or
-extra_config kv_cache_dtype names the format: e4m3 and e5m2 pages are the same bytes and other values), dtype, layers,
-KV heads, head dim, page size, TP rank and size (pipeline stages add their layer range to the model id), and the
-KV format (`sglang_kv_format`: "sglang", the host pool's layout and `SGLANG_FORMAT_VERSION`, bumped whenever this
-backend changes how it writes a page), so engines whose pools differ in layout never share a page.
+files; then `--load-format dummy`, `--quantization`, a `--json-model-override-args` digest, a `--dtype` other than
+the pool's, and `--kv-cache-dtype` where it is not "auto" — a pool stored as uint8, as every fp8 format is, is refused
+unless that or extra_config kv_cache_dtype names the format, and refused where the two differ: e4m3 and e5m2 pages are
+the same bytes and other values), dtype, layers, KV heads, head dim, page size, TP rank and size (pipeline stages
+add their layer range to the model id, attention-CP ranks their CP rank, and a NextN draft model that SGLang packs
+into the pool, other than the target's checkpoint, its identity), and the KV format (`sglang_kv_format`: "sglang",
+the host pool's layout and `SGLANG_FORMAT_VERSION`, bumped whenever this backend changes how it writes a page), so
+engines whose pools differ in layout never share a page.
 
 Sliding-window models. SGLang keeps a Mistral- or Gemma-2-style model's KV in one uniform pool (every token of every
 layer; the window is applied by attention), which this backend stores and loads whole. Its hybrid pools (an SWA
@@ -165,8 +167,8 @@ def server_args():
 
 def model_identity(storage_config: HiCacheStorageConfig, options: dict, args=None) -> str:
     """The model id: the option, else a local directory's fingerprint or a hub name with its revision; then what
-    changes the KV computed from the same weights, from SGLang's server args `args` where given: quantization, a
-    config override (`--json-model-override-args`)."""
+    changes the KV computed from the same weights, from SGLang's server args `args` where given: random weights
+    (`--load-format dummy`), quantization, a config override (`--json-model-override-args`)."""
     if "model_id" in options:
         base = options["model_id"]
     else:
@@ -184,6 +186,8 @@ def model_identity(storage_config: HiCacheStorageConfig, options: dict, args=Non
             base = f"{name}@{options['model_revision']}"
     if args is None:
         return base
+    if getattr(args, "load_format", None) == "dummy":  # random weights (SGLang's profiling), not the checkpoint's
+        base += "#weights=dummy"
     quantization = getattr(args, "quantization", None)
     if quantization:
         base += f"#q={quantization}"
@@ -211,7 +215,14 @@ def kv_cache_dtype(host_pool, options: dict, args) -> str:
     """The KV cache dtype for the model id: "" where the pool's own dtype says it (a 2- or 4-byte float); SGLang's
     --kv-cache-dtype (or the option) otherwise. A pool stored as bytes (uint8: every fp8 format, and the others
     SGLang quantizes KV to) without either is refused: e4m3 and e5m2 pages are the same bytes and other values."""
-    given = options.get("kv_cache_dtype") or getattr(args, "kv_cache_dtype", None)
+    option, served = options.get("kv_cache_dtype"), getattr(args, "kv_cache_dtype", None)
+    if option and served and served != "auto" and option != served:  # (the server's is what the pool holds: an
+        # option that names another format would label its pages as that one, for engines that really use it)
+        raise ValueError(
+            f"kvmesh SGLang backend: extra_config kv_cache_dtype is {option!r}, but SGLang runs with "
+            f"--kv-cache-dtype {served!r}; drop the option or make them agree"
+        )
+    given = option or served
     if given and given != "auto":
         return str(given)
     if torch.empty(0, dtype=host_pool.dtype).element_size() == 1:
@@ -242,6 +253,13 @@ def spec_for_pool(storage_config: HiCacheStorageConfig, host_pool, options: dict
         model_id += f"#kv={quantized}"
     if storage_config.pp_size > 1:  # stages hold different layers of the same model
         model_id += f"#layers{host_pool.start_layer}-{host_pool.end_layer}"
+    cp_size = getattr(storage_config, "attn_cp_size", 1) or 1  # (an SGLang without context parallelism: none)
+    if cp_size > 1:  # attention context parallel: with KV cache sharding each CP rank holds its own stripe of every
+        # page, and with DP attention the CP ranks' tp_rank (attention-TP) is the same
+        model_id += f"#cp{getattr(storage_config, 'attn_cp_rank', 0)}of{cp_size}"
+    draft = draft_identity(host_pool, args)
+    if draft:
+        model_id += f"#draft={draft}"
     return KVSpec(
         model_id=model_id,
         num_layers=host_pool.layer_num,
@@ -254,6 +272,24 @@ def spec_for_pool(storage_config: HiCacheStorageConfig, host_pool, options: dict
         lora_id=options.get("lora_id"),
         kv_format=sglang_kv_format(layout),
     )
+
+
+def draft_identity(host_pool, args) -> str:
+    """The speculative draft model whose layers SGLang packs into the host pool after the target's (NextN/MTP:
+    `layer_num` > `target_layer_num`), where it is not the target's own checkpoint: its KV comes from its weights.
+    "" where the pool has no draft layers, the draft is the target's checkpoint, or no server args say it."""
+    target_layers = getattr(host_pool, "target_layer_num", host_pool.layer_num)
+    path = getattr(args, "speculative_draft_model_path", None)
+    if host_pool.layer_num <= target_layers or not path or path == getattr(args, "model_path", None):
+        return ""
+    if os.path.isdir(path):
+        ident = local_model_id(path)
+    else:
+        ident = f"{path}@{getattr(args, 'speculative_draft_model_revision', None) or ''}"
+    if getattr(args, "speculative_draft_load_format", None) == "dummy":
+        ident += "#weights=dummy"
+    quantization = getattr(args, "speculative_draft_model_quantization", None)
+    return ident + (f"#q={quantization}" if quantization else "")
 
 
 def sglang_kv_format(layout: str) -> KVFormat:
@@ -358,6 +394,8 @@ class KVMeshStorage(HiCacheStorage):
             named = "extra_config['ray_node_id']" if self.options.get("ray_node_id") else "$KVMESH_RAY_NODE_ID"
             raise ValueError(f"kvmesh SGLang backend: {named} is {node_id!r}: {e}") from None
         client.counts.update(self.counts)
+        with self._io, self._gen_lock:  # (another spec: another generation counter, another chunk shape)
+            self._scratch, self._generation, self._group = None, 0, b""
         self.client, self.spec, self.counts = client, spec, client.counts
         self._layout = mem_pool_host.layout
         self._page_shape = tuple(mem_pool_host.get_data_page(0, flat=False).shape)

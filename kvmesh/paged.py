@@ -111,9 +111,9 @@ class LearnedCodec:
 _DIGIT = 128
 
 
-def _num_digits(largest: int) -> int:
+def _num_digits(largest: int, base: int = _DIGIT) -> int:
     k = 1
-    while _DIGIT**k <= largest:
+    while base**k <= largest:
         k += 1
     return k
 
@@ -125,21 +125,26 @@ def learn_codec(
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    digit_base: int = _DIGIT,
 ) -> LearnedCodec:
     """Learn how a cache-write kernel packs one block. `write(key, value, cache)` must store `key`/`value`
     ([block_size, H, D] each) as the tokens of block 1 of `cache` ([2, *block_shape], zeroed). Raises ValueError
     if what the kernel wrote is not a permutation of those elements confined to block 1 (the kernel converts or
-    spreads values, e.g. an fp8 cache): kvmesh cannot move such blocks."""
+    spreads values): kvmesh cannot move such blocks. `digit_base`: coordinates go through the kernel as digits
+    1..digit_base, which must be exact in every format the kernel converts through (8 for an fp8 cache, whose
+    `write` then hands back the decoded values in `dtype`)."""
+    if not 2 <= digit_base <= _DIGIT:
+        raise ValueError(f"digit_base must be in [2, {_DIGIT}], got {digit_base}")
     bs, H, D = block_size, num_kv_heads, head_dim
     t = torch.arange(bs).view(bs, 1, 1).expand(bs, H, D)
     h = torch.arange(H).view(1, H, 1).expand(bs, H, D)
     d = torch.arange(D).view(1, 1, D).expand(bs, H, D)
     coords = {"t": t, "h": h, "d": d}
-    digits = {name: _num_digits(int(x.max())) for name, x in coords.items()}
+    digits = {name: _num_digits(int(x.max()), digit_base) for name, x in coords.items()}
     reads: dict[tuple[str, int], torch.Tensor] = {}
     for name, x in coords.items():
         for k in range(digits[name]):
-            val = ((x // _DIGIT**k) % _DIGIT + 1).to(torch.float32)
+            val = ((x // digit_base**k) % digit_base + 1).to(torch.float32)
             cache = torch.zeros((2, *block_shape), dtype=dtype)
             write(val.to(dtype).contiguous(), (-val).to(dtype).contiguous(), cache)
             if bool(cache[0].ne(0).any()):
@@ -156,7 +161,7 @@ def learn_codec(
             r = reads[(name, k)]
             if bool(((r < 0) != is_v).any()) or bool(r.abs().ne(r.abs().round()).any()):
                 raise ValueError("the cache-write kernel does not store K and V values unchanged")
-            value += (r.abs().long() - 1) * _DIGIT**k
+            value += (r.abs().long() - 1) * digit_base**k
         decoded[name] = value
     e = 2 * bs * H * D
     # position in the piece [2, bs, H, D] of each block element

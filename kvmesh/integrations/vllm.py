@@ -100,15 +100,52 @@ def _cpu_writer(vllm_config, block_size: int, head_dim: int, num_kv_heads: int):
 
     cache_dtype = vllm_config.cache_config.cache_dtype
     isa = _get_attn_isa(vllm_config.model_config.dtype, block_size, head_dim, cache_dtype)
+    compute = vllm_config.model_config.dtype  # the kernel takes K/V in the model's dtype, whatever the cache's
 
     def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor) -> None:
         n = cache.shape[0]
         k_cache, v_cache = cache.view(n, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
         ops.cpu_attn_reshape_and_cache(
-            key, value, k_cache, v_cache, torch.arange(block_size, 2 * block_size), isa, kv_cache_dtype=cache_dtype
+            key.to(compute).contiguous(),
+            value.to(compute).contiguous(),
+            k_cache,
+            v_cache,
+            torch.arange(block_size, 2 * block_size),
+            isa,
+            kv_cache_dtype=cache_dtype,
         )
 
     return write
+
+
+def _fp8_view_dtype(cache_dtype: str | None) -> torch.dtype | None:
+    """The fp8 format an engine's quantized KV cache holds (vLLM keeps it as uint8), None for "auto"."""
+    if not cache_dtype or cache_dtype == "auto":
+        return None
+    if cache_dtype in ("fp8", "fp8_e4m3"):  # (vLLM's CPU and CUDA "fp8": e4m3fn)
+        return torch.float8_e4m3fn
+    if cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    raise ValueError(f"kvmesh vLLM connector: kv_cache_dtype {cache_dtype!r} is not supported on the CPU backend")
+
+
+def learn_cpu_codec(vllm_config, block_size: int, head_dim: int, num_kv_heads: int, kv_dtype: torch.dtype):
+    """How vLLM's CPU kernel packs a block (kvmesh.paged.learn_codec). An fp8 cache stores K/V as one byte each:
+    the coordinates go through the kernel as digits exact in fp8, and the block's bytes are read back as fp8."""
+    from kvmesh.paged import learn_codec
+
+    writer = _cpu_writer(vllm_config, block_size, head_dim, num_kv_heads)
+    shape = (num_kv_heads, block_size, 2 * head_dim)
+    fp8 = _fp8_view_dtype(vllm_config.cache_config.cache_dtype)
+    if fp8 is None:
+        return learn_codec(writer, shape, block_size, num_kv_heads, head_dim, kv_dtype)
+
+    def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor) -> None:
+        raw = torch.zeros(cache.shape, dtype=kv_dtype)
+        writer(key, value, raw)
+        cache.copy_(raw.view(fp8).to(cache.dtype))
+
+    return learn_codec(write, shape, block_size, num_kv_heads, head_dim, torch.float32, digit_base=8)
 
 
 def vllm_kv_format(vllm_config, kv_spec) -> KVFormat:
@@ -118,17 +155,13 @@ def vllm_kv_format(vllm_config, kv_spec) -> KVFormat:
     backend when one is configured."""
     import hashlib
 
-    from kvmesh.paged import learn_codec
-
     bs, heads, head = kv_spec.block_size, kv_spec.num_kv_heads, kv_spec.head_size
     device = vllm_config.device_config.device_type
     if device == "cpu":
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         isa = _get_attn_isa(vllm_config.model_config.dtype, bs, head, vllm_config.cache_config.cache_dtype)
-        codec = learn_codec(
-            _cpu_writer(vllm_config, bs, head, heads), (heads, bs, 2 * head), bs, heads, head, kv_spec.dtype
-        )
+        codec = learn_cpu_codec(vllm_config, bs, head, heads, kv_spec.dtype)
         digest = hashlib.blake2b(codec.to_block.numpy().tobytes(), digest_size=8).hexdigest()
         layout = f"cpu:{isa}:bs{bs}:{digest}"
     else:
@@ -266,16 +299,15 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ----------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
-        writer = None
+        learn = None
         if first.device.type == "cpu":
             s = self.spec
-            writer = _cpu_writer(
-                self._vllm_config,
-                self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
-                s.head_dim,
-                s.num_kv_heads,
-            )  # every group has this geometry
-        self._worker_side.register(kv_caches, writer)  # a layout kvmesh cannot move is a configuration error: raise
+            bs = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size  # every group has this geometry
+
+            def learn():
+                return learn_cpu_codec(self._vllm_config, bs, s.head_dim, s.num_kv_heads, s.torch_dtype)
+
+        self._worker_side.register(kv_caches, learn)  # a layout kvmesh cannot move is a configuration error: raise
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         self._guard("preempt", None, self._worker_side.begin_step, kv_connector_metadata)

@@ -36,7 +36,7 @@ from kvmesh.cudart import side_stream
 from kvmesh.integrations.vllm_clients import EngineClients
 from kvmesh.integrations.vllm_loader import WAIT_SLACK_S, Load, Loader, SyncBatch
 from kvmesh.integrations.vllm_meta import SaveJob, StepMeta, WorkerReport
-from kvmesh.paged import HeadMajorCodec, LearnedCodec, SplitKVCodec, gather_chunks, learn_codec
+from kvmesh.paged import HeadMajorCodec, LearnedCodec, SplitKVCodec, gather_chunks
 
 IDLE_WAIT_S = 0.02  # at most this long per empty engine step, waiting for an asynchronous load to end
 log = logging.getLogger("kvmesh.vllm")
@@ -142,10 +142,10 @@ class WorkerSide:
             self.counts[key] += n
 
     # -- registration ---------------------------------------------------------------------------------------------
-    def register(self, kv_caches: dict[str, torch.Tensor], cpu_writer=None) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor], cpu_codec=None) -> None:
         """Take vLLM's per-layer caches (views of its paged buffers; with the hybrid allocator, layers of
         different groups may share one buffer, their block ids never overlap) and learn their block layout: on
-        the CPU by writing known K/V through vLLM's own kernel (`cpu_writer`), elsewhere vLLM's logical
+        the CPU by writing known K/V through vLLM's own kernel (`cpu_codec()` learns it), elsewhere vLLM's logical
         [blocks, heads, block_size, 2 * head_dim] view (see kvmesh.paged)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
@@ -182,7 +182,7 @@ class WorkerSide:
         elif layers[0].device.type == "cpu":
             if not all(t.is_contiguous() for t in layers):
                 raise ValueError("kvmesh vLLM connector: vLLM's CPU caches are not contiguous per block")
-            self.codec = learn_codec(cpu_writer, shape, bs, s.num_kv_heads, s.head_dim, s.torch_dtype)
+            self.codec = cpu_codec()
         else:
             self.codec = HeadMajorCodec(bs, s.num_kv_heads, s.head_dim)
         self.group_layers, self.layers = group_layers, layers

@@ -60,6 +60,8 @@ def test_a_full_shared_memory_keeps_storing_into_the_slots_that_have_memory(priv
                            lease_s=2.0, heartbeat_s=0.2, shm_dir=shm)
         node = WireNode(cfg, "node-s" * 4, "kvnode-s")
         try:
+            if node.tier.page_locked:  # (registered with CUDA: every slot got its memory at start, none can lack it)
+                pytest.skip("a page-locked slab has all its memory from the start")
             assert node.store(*chunks(1, 2)) == 2
             fill(shm)
             stored = [node.store(*chunks(i)) for i in range(3, 10)]

@@ -783,7 +783,8 @@ class KVNode:
             with self.lock:
                 self.cascade.finish_write(item, ok)
                 if no_space:  # a disk tier bigger than its file system's free space: the next writes evict from
-                    disk.park_unbacked()  # the slots that have their blocks, instead of failing for good
+                    disk.park_unbacked(item.ticket.slot)  # the slots that have their blocks, instead of failing
+                    # for good (this slot too: blocks of an earlier, smaller chunk do not make room for this one)
                 self._post_changes()
         elif kind == "verify":  # a chunk found on disk at start-up: register it once its bytes check out
             failed = None

@@ -254,8 +254,10 @@ def spec_for_pool(storage_config: HiCacheStorageConfig, host_pool, options: dict
     if storage_config.pp_size > 1:  # stages hold different layers of the same model
         model_id += f"#layers{host_pool.start_layer}-{host_pool.end_layer}"
     cp_size = getattr(storage_config, "attn_cp_size", 1) or 1  # (an SGLang without context parallelism: none)
-    if cp_size > 1:  # attention context parallel: with KV cache sharding each CP rank holds its own stripe of every
-        # page, and with DP attention the CP ranks' tp_rank (attention-TP) is the same
+    if cp_size > 1 and (getattr(host_pool, "shard_size", 1) or 1) > 1:  # attention context parallel with KV cache
+        # sharding (a page-interleaved host pool): each CP rank holds its own part of the KV. Without sharding
+        # (SGLang 0.5.23 refuses it with any --hicache-storage-backend), dense-MHA CP all-gathers K/V and writes
+        # the whole KV into every CP rank's pool: the same page under the same key, to be shared
         model_id += f"#cp{getattr(storage_config, 'attn_cp_rank', 0)}of{cp_size}"
     draft = draft_identity(host_pool, args)
     if draft:
@@ -379,10 +381,8 @@ class KVMeshStorage(HiCacheStorage):
         """SGLang hands over its host pool: its geometry completes the spec, and the client connects."""
         super().register_mem_pool_host(mem_pool_host)
         spec = spec_for_pool(self.storage_config, mem_pool_host, self.options, server_args())
-        if self.client is not None:
-            if spec == self.spec:
-                return
-            self.client.close()
+        if self.client is not None and spec == self.spec:
+            return
         node_id = self.options.get("ray_node_id") or os.environ.get("KVMESH_RAY_NODE_ID") or None
         try:
             client = connect(
@@ -394,13 +394,18 @@ class KVMeshStorage(HiCacheStorage):
             named = "extra_config['ray_node_id']" if self.options.get("ray_node_id") else "$KVMESH_RAY_NODE_ID"
             raise ValueError(f"kvmesh SGLang backend: {named} is {node_id!r}: {e}") from None
         client.counts.update(self.counts)
-        with self._io, self._gen_lock:  # (another spec: another generation counter, another chunk shape)
-            self._scratch, self._generation, self._group = None, 0, b""
-        self.client, self.spec, self.counts = client, spec, client.counts
-        self._layout = mem_pool_host.layout
-        self._page_shape = tuple(mem_pool_host.get_data_page(0, flat=False).shape)
-        self._root = root_hash(spec.namespace, self.options.get("cache_salt"))
-        self._gen_at = 0.0
+        # one switch (another spec: another generation counter, another chunk shape): a get or set on another
+        # thread must not refresh the old spec's generation into `_generation` between the reset and the new root
+        # (the forced refresh below would then write it into the new spec's counter), nor use a closed client
+        with self._io, self._gen_lock:
+            old = self.client
+            self.client, self.spec, self.counts = client, spec, client.counts
+            self._layout = mem_pool_host.layout
+            self._page_shape = tuple(mem_pool_host.get_data_page(0, flat=False).shape)
+            self._root = root_hash(spec.namespace, self.options.get("cache_salt"))
+            self._scratch, self._generation, self._group, self._gen_at = None, 0, b"", 0.0
+        if old is not None:
+            old.close()
         self._refresh_generation(force=True)
         if spec.chunk_bytes * 8 < client.config.slot_bytes:
             log.warning(
@@ -435,6 +440,7 @@ class KVMeshStorage(HiCacheStorage):
         if due and (client is None or force or client.view.allow()):
             with self._gen_lock:
                 self._gen_at = now
+                client = self.client  # (the one of `_root` now: a re-registration may have switched both)
                 try:
                     assert client is not None, "registered"
                     r = client.directory.redis

@@ -168,9 +168,12 @@ class SlotPool:
         self._free = [i for i in self._free if i in free]
         return taken
 
-    def park_unbacked(self) -> int:
-        """The file system had no space for a slot: set the free slots without space aside (for
+    def park_unbacked(self, slot: int | None = None) -> int:
+        """The file system had no space for a slot (`slot`, where known: it lacks space whatever it held before,
+        e.g. a disk slot that had blocks only for a smaller chunk): set the free slots without space aside (for
         BACKING_RETRY_S). Returns how many are set aside now."""
+        if slot is not None:
+            self._backed[slot] = 0
         unbacked = [i for i in self._free if not self._backed[i]]
         if unbacked:
             self._free = [i for i in self._free if self._backed[i]]

@@ -123,3 +123,28 @@ def test_a_tier_directory_that_is_a_file_is_named_by_its_setting(private_redis, 
     with pytest.raises(NotADirectoryError, match=f"KVMeshConfig.{setting} '{blocker}'.*[Nn]ot a directory"):
         WireNode(cfg, "node-f" * 4, "kvnode-f")
     assert not [f for f in os.listdir(tmp_path) if f.startswith("kvmesh-")]  # and it left no slab behind
+
+
+def test_a_full_disk_slot_written_with_a_smaller_chunk_does_not_freeze_the_tier(private_redis, tmp_path):
+    """A disk slot is flagged as having its blocks after any write, but a chunk smaller than the slot allocates
+    only its own pages. When a bigger chunk then lands in that slot on a full disk (ENOSPC), the slot still counts
+    as having its space: it is not set aside, goes back on top of the free stack, and every later bigger chunk
+    pops it again and fails, while the slots that do have their blocks keep their old chunks for good."""
+    redis.Redis.from_url(private_redis.url).flushall()
+    big = 2 * SLOT
+    with small_tmpfs(64 * 1024) as disk_fs:  # 16 pages: a small chunk takes 2 (header + 1), a big one 3
+        cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="rl", cpu_bytes=2 * big, slot_bytes=big,
+                           disk_dir=os.path.join(disk_fs, "disk"), disk_bytes=64 * big, lease_s=2.0,
+                           heartbeat_s=0.2, shm_dir=str(tmp_path))
+        node = WireNode(cfg, "node-v" * 4, "kvnode-v")
+        try:
+            node.store(*chunks(1, size=SLOT))  # another model's smaller chunk: its disk slot gets 2 of 3 pages
+            wait_until(lambda: settled(node), 10)
+            for i in range(2, 40):
+                node.store(*chunks(i, size=big))
+                wait_until(lambda: settled(node), 10)
+            on_disk = [i for i in range(1, 40) if node.cascade.disk.slot_of(k(i)) is not None]
+            assert on_disk and max(on_disk) > 30, on_disk  # the disk keeps taking recent chunks
+            node.check_integrity(directory=True)
+        finally:
+            node.shutdown()

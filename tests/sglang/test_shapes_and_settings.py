@@ -128,20 +128,28 @@ def test_re_registering_another_pool_reads_it_and_leaves_other_specs_alone(sgl_c
         other.close()
 
 
-def test_context_parallel_ranks_never_share_pages(sgl_cluster):
-    # with KV cache sharding each attention-CP rank holds its own stripe of every page, and with DP attention the
-    # CP ranks' storage tp_rank is the attention-TP rank, the same for all of them: like TP ranks, each CP rank's
-    # pages are its own (SGLang's own file backend keys them by CP rank too)
+def test_context_parallel_ranks_share_pages_unless_the_kv_is_sharded(sgl_cluster):
+    # dense-MHA attention CP (SGLang 0.5.23's zigzag strategy) all-gathers K/V and writes the whole KV into every
+    # CP rank's pool: the same page under the same key, shared like any other. Only KV cache sharding (a
+    # page-interleaved pool, refused with a storage backend in 0.5.23) gives each CP rank its own part
+    from kvmesh.integrations.sglang import spec_for_pool
+
     host = host_pool()
     fill(host, 4)
     config = storage_config(extra_config=extra(model_id="cp@r1"))
     ranks = [backend(host, replace(config, attn_cp_rank=i, attn_cp_size=2)) for i in range(2)]
     keys = keys_for("cp", 3)
     assert ranks[0].batch_set_v1(keys, host.alloc(48)) == [True] * 3
-    assert [be.batch_exists(keys) for be in ranks] == [3, 0]
-    assert ranks[1].batch_get_v1(keys, host.alloc(48)) == [False] * 3
+    assert [be.batch_exists(keys) for be in ranks] == [3, 3]
     for be in ranks:
         be.close()
+    opts = {"model_id": "cp@r1"}
+    plain = spec_for_pool(storage_config(), host, opts)
+    assert spec_for_pool(replace(config, attn_cp_rank=1, attn_cp_size=2), host, opts) == plain
+    sharded = NS(**{k: getattr(host, k) for k in ("layout", "kv_buffer", "head_dim", "head_num", "layer_num",
+                                                    "dtype", "page_size")}, shard_size=2)
+    assert len({spec_for_pool(replace(config, attn_cp_rank=i, attn_cp_size=2), sharded, opts).namespace
+                for i in range(2)}) == 2
 
 
 ARGS = dict(kv_cache_dtype="auto", quantization=None, json_model_override_args="{}", dtype="auto",

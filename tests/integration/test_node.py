@@ -443,9 +443,13 @@ def test_a_restarted_node_recovers_its_disk_and_drops_what_is_corrupt(private_re
         again.shutdown()
 
 
-def test_a_full_or_failing_disk_refuses_counts_and_keeps_serving(private_redis, tmp_path):
+def test_a_full_or_failing_disk_refuses_counts_and_keeps_serving(private_redis, tmp_path, monkeypatch):
     import errno as _errno
 
+    from kvmesh.tiers import slots as slots_mod
+
+    # (slots an ENOSPC write set aside are tried again at once: the EIO below must reach a write)
+    monkeypatch.setattr(slots_mod, "BACKING_RETRY_S", 0.0)
     redis.Redis.from_url(private_redis.url).flushall()
     node = disk_node(private_redis, tmp_path, disk_slots=3)
     try:

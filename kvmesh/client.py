@@ -641,7 +641,9 @@ class KVMeshClient:
             hashes[0] if hashes else b"", hashes, lambda i: kv[:, :, i * c : (i + 1) * c], True, not handover
         )
 
-    def _store(self, group: bytes, keys: list[bytes], chunk, seen: bool, snapshot: bool = True) -> int:
+    def _store(
+        self, group: bytes, keys: list[bytes], chunk, seen: bool, snapshot: bool = True, mine: list | None = None
+    ) -> int:
         if not keys:
             self.last_store = StoreResult(0)
             return 0
@@ -651,7 +653,7 @@ class KVMeshClient:
             return 0
         held = self._held(group, keys, seen)
         todo = [i for i in range(len(keys)) if not held[i]]
-        handed = self.stores.submit(group, [keys[i] for i in todo], [chunk(i) for i in todo], snapshot)
+        handed = self.stores.submit(group, [keys[i] for i in todo], [chunk(i) for i in todo], snapshot, mine)
         self.last_store = StoreResult(
             handed, len(keys) - len(todo), len(todo) - handed, self.stores.refused if handed < len(todo) else ""
         )
@@ -744,6 +746,9 @@ class KVMeshClient:
         strides, e.g. a view into an engine's host pool; all on one device) is chunk `keys[i]`, registered in
         directory group `group`. Those not already cached are copied out before this returns (on a GPU: on the
         current stream) and handed to the local node; returns their count."""
+        return self._store_keys(group, keys, chunks)
+
+    def _store_keys(self, group: bytes, keys: list[bytes], chunks, mine: list | None = None) -> int:
         self._check_open("store_keys")
         self._check_keys(group, keys)
         s = self.spec
@@ -758,7 +763,21 @@ class KVMeshClient:
                 raise ValueError(f"each chunk must be a dense CPU or CUDA tensor, got a {c.layout} one on {c.device}")
             if c.device != chunks[0].device:
                 raise ValueError(f"all chunks must be on one device, got {chunks[0].device} and {c.device}")
-        return self._store(group, list(keys), lambda i: chunks[i], False)
+        return self._store(group, list(keys), lambda i: chunks[i], False, mine=mine)
+
+    def store_keys_waited(self, group: bytes, keys: list[bytes], chunks, timeout_s: float) -> tuple[int, int]:
+        """`store_keys`, then wait at most `timeout_s` for this store alone: (chunks handed to the node, of those
+        the ones it stored and registered by then). Other stores in flight (an earlier one whose wait ran out and
+        whose reply comes now) are not counted: `flush` counts them all."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
+            raise ValueError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
+        mine: list = []
+        sent = self._store_keys(group, keys, chunks, mine)
+        if not sent or self.stores is None:
+            return sent, 0
+        if len(chunks) and chunks[0].is_cuda:  # (handed over by the background thread: not collected)
+            return sent, self.stores.flush(timeout_s)
+        return sent, self.stores.flush_own(mine, timeout_s)
 
     @staticmethod
     def _check_keys(group, keys) -> None:

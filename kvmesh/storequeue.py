@@ -6,6 +6,8 @@
                                           counted, never waited for)
     flush(timeout_s) -> int               waits until every store handed over so far is in the node's tiers and
                                           registered; returns how many chunks the node stored
+    flush_own(mine, timeout_s) -> int     the same for the stores of one `submit(..., mine=)` alone (of host
+                                          chunks): a caller that must know whether its own store was taken
     close()
 
 Chunks on a GPU are first copied on the caller's stream (one device-to-device kernel, `_snapshot`): a store reads
@@ -59,8 +61,17 @@ class StoreQueue:
         self._streams: dict = {}  # device -> side stream for device-to-host store copies
         self.refused = ""  # why the last store that handed nothing over did not: "busy", "no_device_memory"
 
-    def submit(self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor], snapshot: bool = True) -> int:
-        """`snapshot=False`: the caller never writes the chunks again (a GPU store then reads them as they are)."""
+    def submit(
+        self,
+        group: bytes,
+        keys: list[bytes],
+        chunks: list[torch.Tensor],
+        snapshot: bool = True,
+        mine: list | None = None,
+    ) -> int:
+        """`snapshot=False`: the caller never writes the chunks again (a GPU store then reads them as they are).
+        `mine`: a list that receives this store's replies, for `flush_own` (host chunks only: a GPU store is handed
+        over by the background thread, and its replies are not collected)."""
         if not keys:
             return 0
         with self._lock:
@@ -89,7 +100,7 @@ class StoreQueue:
             else:
                 self._stage_from_device(group, keys, chunks)
         else:
-            self._send_host(group, keys, chunks)
+            self._send_host(group, keys, chunks, mine)
         self.counts["stored_chunks"] += len(keys)
         return len(keys)
 
@@ -212,13 +223,13 @@ class StoreQueue:
         # (the caller's references to chunks and srcs live until the sums are in: the copies read live memory)
         return write_chunks(srcs, dsts, peer=True, stream=stream).sums()
 
-    def _send_host(self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor]) -> None:
+    def _send_host(self, group: bytes, keys: list[bytes], chunks: list[torch.Tensor], mine: list | None = None) -> None:
         s = self.spec
         staging = np.empty(len(keys) * s.chunk_bytes, dtype=np.uint8)
         st = torch.from_numpy(staging).view(s.torch_dtype).view(len(keys), *s.chunk_shape)
         for j, chunk in enumerate(chunks):
             st[j].copy_(chunk)
-        self._send(group, keys, staging)
+        self._send(group, keys, staging, mine)
 
     def _stage_loop(self) -> None:
         while True:
@@ -241,13 +252,41 @@ class StoreQueue:
                         self._staging_jobs -= 1
                 self._staged.task_done()
 
-    def _send(self, group: bytes, keys: list[bytes], staging: np.ndarray) -> None:
+    def _send(self, group: bytes, keys: list[bytes], staging: np.ndarray, mine: list | None = None) -> None:
         """Checksum the staged chunks and hand them to the local node (not waited for)."""
         cb = self.spec.chunk_bytes
         items = [StoreItem(group, key, cb, checksum(staging[j * cb : (j + 1) * cb])) for j, key in enumerate(keys)]
         pending = self.node.store(items, staging)
         with self._lock:
             self._pending.append(pending)
+        if mine is not None:
+            mine.append(pending)
+
+    def flush_own(self, mine: list, timeout_s: float) -> int:
+        """`flush` of the replies in `mine` alone (a `submit(..., mine=)`): how many of its chunks the node stored
+        and registered within `timeout_s`. `flush` counts every store no earlier flush counted: a caller that
+        compared it with its own store's size took an earlier store's late reply (one whose flush timed out) for
+        its own, and said a store fully taken was not. A reply not in by then stays pending (a later `flush`
+        counts it); one read here is counted here only."""
+        end = time.monotonic() + timeout_s
+        stored = 0
+        for p in mine:
+            try:
+                n, error = p.result(max(0.0, end - time.monotonic())), None
+            except TimeoutError:
+                self.counts["store_flush_timeouts"] += 1
+                continue
+            except (NodeCallError, WireError, OSError) as e:
+                n, error = 0, e
+            with self._lock:
+                if any(p is q for q in self._pending):
+                    self._pending = [q for q in self._pending if q is not p]
+                    if error is not None:
+                        self.counts["store_failures"] += 1
+                else:  # read by the busy check meanwhile: its count is ours, not a later flush's
+                    self._settled = max(0, self._settled - n)
+            stored += n
+        return stored
 
     def flush(self, timeout_s: float = 30.0) -> int:
         """Waits for every store handed over so far, whichever thread handed it over (a flush of one thread used to

@@ -576,9 +576,8 @@ class KVMeshStorage(HiCacheStorage):
         # must not hold SGLang's reads behind a write for flush's default 30 s; a write not done by then is one
         # SGLang counts as failed, and the node still stores it)
         timeout = self.options.get("fetch_timeout_s", self.client.config.fetch_timeout_s)
-        with self._io:
-            sent = self.client.store_keys(group, page_keys(group, keys), chunks)
-            stored = self.client.flush(timeout) if sent else 0
+        with self._io:  # (this store's own replies: a flush counted an earlier set's late reply as this one's)
+            sent, stored = self.client.store_keys_waited(group, page_keys(group, keys), chunks, timeout)
         return stored == sent and refusals(c) == refused
 
     def batch_set_v1(

@@ -1,8 +1,6 @@
 """transformers workers around KVNode faults (found by a seeded model-level differential hunt): a worker that
 connects while its node's KVNode restarts, ... Each output is compared with a recompute without kvmesh."""
 
-import os
-
 import ray
 import torch
 
@@ -11,16 +9,9 @@ from kvmesh.integrations.hf import generate, spec_for_model, tiny_llama
 from kvmesh.mesh import node_actors
 from tests.conftest import wait_until
 from tests.integration.conftest import on_node
+from tests.integration.test_mesh import pid_alive
 
 CHUNK = 16
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def model():

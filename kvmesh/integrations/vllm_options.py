@@ -245,10 +245,11 @@ def groups_for_vllm(kv_cache_config) -> list[KVGroup]:
 
 def cache_dtype_tag(cache_dtype: str | None) -> str:
     """vLLM's `--kv-cache-dtype` for the model id, "" for "auto" (the KV dtype is then the spec's own). vLLM's "fp8"
-    is its platform's fp8 format (e4m3fn on CUDA, e4m3fnuz on ROCm): named with it."""
+    and "fp8_e4m3" are one format, its platform's e4m3 (e4m3fn on CUDA and the CPU, e4m3fnuz on ROCm; every vLLM
+    kernel takes the two names alike): named with it, so engines given either name share."""
     if not cache_dtype or cache_dtype == "auto":
         return ""
-    if cache_dtype == "fp8":
+    if cache_dtype in ("fp8", "fp8_e4m3"):
         try:
             from vllm.platforms import current_platform
 

@@ -24,16 +24,19 @@ def prompt(seed: int, chunks: int):
 
 
 def settle(node) -> None:
+    """Disk writes done and the directory told (a lookup reads what the registrar has sent)."""
     end = time.monotonic() + 10
     while (node.stats().get("disk_pending_io", 0) or node.cascade._pending) and time.monotonic() < end:
         time.sleep(0.02)
+    assert node.registrar.flush(10.0)
 
 
 def test_a_prefix_read_back_from_disk_loses_its_tail_first_when_the_disk_fills(tmp_path):
     with RedisServer() as server:
         cfg = KVMeshConfig(redis_url=server.url, key_prefix="eo", cpu_bytes=4 * SPEC.chunk_bytes,
                            slot_bytes=SPEC.chunk_bytes, disk_bytes=8 * SPEC.chunk_bytes, disk_dir=str(tmp_path / "d"),
-                           disk_direct_io=False, shm_dir=str(tmp_path))
+                           disk_direct_io=False, shm_dir=str(tmp_path),
+                           lookup_timeout_s=5.0)  # (a loaded CI box: a lookup past 0.5 s is a miss)
         node = KVNode(cfg, "e" * 32, "kvnode-e")
         c = connect_local(SPEC, node)
         try:

@@ -5,6 +5,7 @@ raises when one does not. `kvmesh.directory` re-exports all three.
 
 from __future__ import annotations
 
+import os
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
@@ -13,6 +14,8 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from kvmesh.config import redact_url
+
+CA_ENV = "KVMESH_REDIS_CA_CERTS"  # the CA file of a TLS directory whose URL does not name one
 
 
 class DirectoryUnavailable(ConnectionError):
@@ -129,11 +132,15 @@ def same_server(a: str, b: str, timeout_s: float = 2.0) -> bool | None:
 
 def connect(url: str, timeout_s: float = 2.0):
     """A redis-py client for `url`: `redis://` or `rediss://` (TLS; `?ssl_ca_certs=/path/ca.pem` and the other
-    `ssl_*` query options of redis-py), with `user:password@` for AUTH/ACL users. `?cluster=1` speaks Redis Cluster
+    `ssl_*` query options of redis-py; a `rediss://` URL without `ssl_ca_certs` takes `$KVMESH_REDIS_CA_CERTS`),
+    with `user:password@` for AUTH/ACL users. `?cluster=1` speaks Redis Cluster
     (any master's address; the others are discovered). No retries: callers have deadlines, and a directory that
     does not answer is a miss, not a wait."""
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
+    ca = os.environ.get(CA_ENV)
+    if ca and parts.scheme == "rediss" and not any(k == "ssl_ca_certs" for k, _ in query):
+        query.append(("ssl_ca_certs", ca))  # (a URL kept whole in a Secret cannot know where the CA is mounted)
     cluster = any(k == "cluster" and v.lower() in ("1", "true", "yes") for k, v in query)
     rest = urlencode([(k, v) for k, v in query if k != "cluster"])
     # (not urlunsplit: it writes unix:///path back as unix:/path, which redis-py refuses)

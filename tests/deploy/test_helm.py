@@ -15,6 +15,7 @@ import pytest
 import redis
 import yaml
 
+from kvmesh import redisconn
 from kvmesh.config import KVMeshConfig
 from tests.deploy import k8s_schema
 from tests.deploy.conftest import CHART, ROOT, by_kind, one
@@ -210,7 +211,7 @@ def test_rendered_configuration_loads_in_kvmesh(chart, tmp_path):
         assert (kw["host"], kw["port"], kw["password"], kw["db"]) == ("kv-kvmesh-redis.llm.svc", 6379, pw, 0)
 
 
-def test_tls_urls_carry_the_mounted_ca(chart, tmp_path):
+def test_tls_urls_carry_the_mounted_ca(chart, tmp_path, monkeypatch):
     docs = chart.template("-f", str(TLS_EXAMPLE))
     pw = "p" * 32
     for cfg, c in zip(_rendered_config(docs, tmp_path, {"kv-kvmesh-redis/redis-password": pw}),
@@ -229,6 +230,24 @@ def test_tls_urls_carry_the_mounted_ca(chart, tmp_path):
     assert not by_kind(docs, "StatefulSet") and not by_kind(docs, "Secret")
     for cfg in _rendered_config(docs, tmp_path, {}):
         assert cfg.redis_url == "rediss://r.example:6380/1?x=1&ssl_ca_certs=/etc/kvmesh-redis-tls/ca.crt"
+    # the URL kept whole in a Secret of the user's (which cannot know where the chart mounts the CA): the pods are
+    # told the CA's path apart, and kvmesh's directory client uses it for a rediss:// URL that names none
+    docs = chart.template("--set", "redis.enabled=false", "--set", "externalRedis.existingSecret=my-url",
+                          "--set", "externalRedis.caSecret=redis-ca")
+    url = "rediss://:pw@r.example:6380/1"
+    for c in ray_containers(one(docs, "RayCluster")):
+        env = resolve_env(c, {"my-url/redis-url": url})
+        assert env["KVMESH_REDIS_URL"] == url and env[redisconn.CA_ENV] == "/etc/kvmesh-redis-tls/ca.crt"
+        assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/etc/kvmesh-redis-tls"}
+        monkeypatch.setenv(redisconn.CA_ENV, env[redisconn.CA_ENV])
+        kw = redisconn.connect(url).connection_pool.connection_kwargs
+        assert kw["ssl_ca_certs"] == "/etc/kvmesh-redis-tls/ca.crt" and kw["password"] == "pw"
+        # a URL that names its own CA keeps it; a plaintext URL gets none
+        assert redisconn.connect(url + "?ssl_ca_certs=/mine.crt").connection_pool.connection_kwargs[
+            "ssl_ca_certs"] == "/mine.crt"
+        assert "ssl_ca_certs" not in redisconn.connect("redis://r.example:6379/0").connection_pool.connection_kwargs
+    for c in ray_containers(one(chart.template(), "RayCluster")):  # no CA anywhere: not set
+        assert redisconn.CA_ENV not in resolve_env(c, {"kv-kvmesh-redis/redis-password": "x"})
 
 
 def test_gpu_external_redis_example(chart, tmp_path):

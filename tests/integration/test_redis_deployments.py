@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import redis
 
+from kvmesh import redisconn
 from kvmesh.config import KVMeshConfig
 from kvmesh.directory import Directory
 from kvmesh.local import RedisClusterServers, RedisServer, tls_redis_server_binary
@@ -188,7 +189,7 @@ def tls_files(tmp_path_factory):
     return str(d / "server.crt"), str(d / "server.key"), str(d / "ca.crt"), str(d / "other-ca.crt")
 
 
-def test_tls_directory_verifies_the_server_and_serves(tls_files, tmp_path):
+def test_tls_directory_verifies_the_server_and_serves(tls_files, tmp_path, monkeypatch):
     binary = tls_redis_server_binary()
     if binary is None:
         pytest.fail("no redis-server with TLS on this machine: `make test` installs Debian's redis-server")
@@ -203,5 +204,14 @@ def test_tls_directory_verifies_the_server_and_serves(tls_files, tmp_path):
             node.shutdown()
         with pytest.raises(redis.ConnectionError):  # an untrusted certificate is refused, not used
             Directory(server.url.replace(ca, other_ca), prefix="rd").node_table()
+        # a URL that names no CA (one kept whole in a Secret) takes $KVMESH_REDIS_CA_CERTS; a URL's own CA wins
+        bare = server.url.split("?")[0]
+        monkeypatch.setenv(redisconn.CA_ENV, ca)
+        assert Directory(bare, prefix="rd").node_table() is not None
+        with pytest.raises(redis.ConnectionError):
+            Directory(server.url.replace(ca, other_ca), prefix="rd").node_table()
+        monkeypatch.setenv(redisconn.CA_ENV, other_ca)
+        with pytest.raises(redis.ConnectionError):
+            Directory(bare, prefix="rd").node_table()
         with pytest.raises(redis.ConnectionError):  # plaintext to a TLS port does not talk
             Directory(f"redis://:tls-pw@127.0.0.1:{server.port}/0", prefix="rd", timeout_s=1.0).node_table()

@@ -91,6 +91,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - name: KVMESH_REDIS_URL
   value: {{ include "kvmesh.externalRedisURL" . | quote }}
 {{- end }}
+{{- if include "kvmesh.redisCASecret" . }}
+{{- /* the mounted CA for a rediss:// URL that names none (one kept whole in externalRedis.existingSecret) */}}
+- name: KVMESH_REDIS_CA_CERTS
+  value: {{ printf "%s/ca.crt" (include "kvmesh.redisCADir" .) | quote }}
+{{- end }}
 {{- range .Values.kvmesh.env }}
 {{- /* EnvVar.value is a string: a number or boolean from --set or a values file would be refused by the API
      server (a whole float64 from a values file is written as an integer, not 1e+06) */}}

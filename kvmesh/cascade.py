@@ -308,8 +308,9 @@ class Cascade:
         pinned nothing) nor, by protecting keys not reached yet, every slot (a later chunk already in the slab
         kept the first from ever getting one)."""
         n, reads = 0, []
-        for key in keys:
-            protect = frozenset(keys[: n + 1])
+        protect: set[bytes] = set()  # keys[: n + 1]: grown key by key (a set made anew per key was O(n^2) under the
+        for key in keys:  # node's lock: seconds for a prompt of thousands of small chunks, every reader waiting)
+            protect.add(key)
             if self.cpu.slot_of(key) is not None:
                 pass
             elif self.gpu is not None and (gslot := self.gpu.slot_of(key)) is not None:

@@ -127,6 +127,8 @@ class LoadRecord:
     queue_depth: int  # requests queued or running there
     at_ms: int  # when it was reported, ms on Redis's clock (NodeTable.now_ms is the same clock)
     prefill: tuple[float, ...] | None = None  # the replica's measured prefill model (PrefillModel's fit), if any
+    # the namespace of the spec the replica serves (KVSpec.namespace); b"" in an earlier release's report
+    namespace: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -614,12 +616,15 @@ class Directory:
         queue_depth: int,
         keep_ms: int,
         prefill: tuple[float, ...] | None = None,
+        namespace: bytes = b"",
     ) -> int:
-        """Record a replica's load (and its measured prefill model's coefficients, when it has one), stamped with
-        Redis's clock (returned, ms); reports older than `keep_ms` go."""
+        """Record a replica's load (and its measured prefill model's coefficients, when it has one, and the
+        namespace of the spec it serves), stamped with Redis's clock (returned, ms); reports older than `keep_ms`
+        go."""
         value = msgpack.packb(
             [LOAD_VERSION, node_id, int(pending_prefill_tokens), int(queue_depth)]
-            + ([[float(x) for x in prefill]] if prefill is not None else [])
+            + [[float(x) for x in prefill] if prefill is not None else None, bytes(namespace)],
+            use_bin_type=True,
         )
         return int(self._report_load(keys=[self._k_load, self._k_load_at], args=[replica_id, value, keep_ms]))
 
@@ -677,12 +682,15 @@ class Directory:
                 fields = msgpack.unpackb(value)
                 version, node_id, pending, depth = fields[:4]
                 prefill = tuple(float(x) for x in fields[4]) if len(fields) > 4 and fields[4] else None
+                namespace = bytes(fields[5]) if len(fields) > 5 and isinstance(fields[5], bytes) else b""
                 stamp = int(at[rid])
             except (ValueError, TypeError, KeyError, msgpack.UnpackException):
                 continue
             if version == LOAD_VERSION:
                 out.append(
-                    LoadRecord(rid.decode(errors="replace"), str(node_id), int(pending), int(depth), stamp, prefill)
+                    LoadRecord(
+                        rid.decode(errors="replace"), str(node_id), int(pending), int(depth), stamp, prefill, namespace
+                    )
                 )
         return out
 

@@ -174,17 +174,17 @@ class LastCopies:
         return "ok" if stored.result(HANDOFF_TIMEOUT_S) == 1 else "refused"
 
     def _target(self, live: set[str], nbytes: int) -> str | None:
-        """The live peer with the most free room (CPU slab and disk tier), from the stats nodes publish."""
+        """The live peer with the most free room (CPU slab and disk tier), from the stats nodes publish: in free
+        slots (`free_bytes`), as each chunk takes a whole slot whatever its size (a peer full of a smaller model's
+        chunks holds few bytes, and a handoff there evicts one of them); a record without them (an earlier
+        release's) by bytes."""
         best, room = None, nbytes - 1
         for node, raw in d_items(self._directory.redis.hgetall(self._stats_key)):
             if node == self.node_id or node not in live:
                 continue
             s = msgpack.unpackb(raw, raw=False)
-            free = (
-                s.get("capacity_bytes", 0)
-                - s.get("used_bytes", 0)
-                + s.get("disk_capacity_bytes", 0)
-                - s.get("disk_used_bytes", 0)
+            free = s.get("free_bytes", s.get("capacity_bytes", 0) - s.get("used_bytes", 0)) + s.get(
+                "disk_free_bytes", s.get("disk_capacity_bytes", 0) - s.get("disk_used_bytes", 0)
             )
             if free > room:
                 best, room = node, free

@@ -891,6 +891,7 @@ class KVNode:
                 used_bytes=self.tier.used_bytes,
                 # (less the slots /dev/shm has no memory for now: a peer handing a chunk off looks for room)
                 capacity_bytes=(self.tier.num_slots - self.tier.unbacked_slots) * self.tier.slot_bytes,
+                free_bytes=self.tier.free_bytes,  # (in free slots: what a handoff looks for; see SlotPool.free_bytes)
                 pinned=sum(len(s) + len(g) for s, g, _ in self._pins.values()),
                 fenced=self.fenced,
                 slab_devsums_queued=self.tier.devsum_queued() + self._devsum_busy,
@@ -903,6 +904,7 @@ class KVNode:
                     disk_chunks=len(disk),
                     disk_used_bytes=disk.used_bytes,
                     disk_capacity_bytes=(disk.num_slots - disk.unbacked_slots) * disk.slot_bytes,
+                    disk_free_bytes=disk.free_bytes,
                     disk_unbacked_slots=disk.unbacked_slots,
                     disk_direct_io=disk.direct_io,
                     disk_pending_io=self._io_outstanding,  # (queued, and those an I/O thread is doing)

@@ -66,7 +66,7 @@ class ReportedLoad:
     pending_prefill_tokens: int
     queue_depth: int
     age_s: float  # of the oldest report it sums
-    replicas: int  # how many reports it sums (a bare node id: every replica on the node)
+    replicas: int  # how many reports it sums (a bare node id: every replica of the spec on the node)
     prefill: tuple[float, ...] | None = None  # the replica's measured prefill model (coefficients), if reported
 
 
@@ -137,12 +137,22 @@ def _link(holder: Holder, node_id: str) -> str:
     return f"{where}-disk" if holder.tier == TIER_DISK else where
 
 
-def _load_of(c: Candidate, loads: list[LoadRecord], now_ms: int, stale_ms: int) -> ReportedLoad | None:
+def _load_of(
+    c: Candidate, loads: list[LoadRecord], now_ms: int, stale_ms: int, namespace: bytes = b""
+) -> ReportedLoad | None:
+    """A replica candidate's own report; a bare node id's: those of the replicas on the node that serve the spec
+    of `namespace` (a node shared by several models also runs replicas of the others: their queues are not this
+    model's, and their measured prefill rates are another model's). A report without a namespace (an earlier
+    release's) counts for any."""
     fresh = [
         r
         for r in loads
         if now_ms - r.at_ms <= stale_ms
-        and (r.replica_id == c.replica_id if c.replica_id is not None else r.node_id == c.node_id)
+        and (
+            r.replica_id == c.replica_id
+            if c.replica_id is not None
+            else r.node_id == c.node_id and (not namespace or not r.namespace or r.namespace == namespace)
+        )
     ]
     if not fresh or now_ms <= 0:  # (no node table read yet: no clock to judge ages by)
         return None
@@ -180,16 +190,18 @@ def estimate(
     stale_ms: int,
     cost: CostModel,
     queued_s: Mapping[str, float] | None = None,
+    namespace: bytes = b"",
 ) -> list[RouteEstimate]:
     """Pure: the estimates, best first (unknown TTFTs last, ties in the given order). `holders`: the live holders
     of each chunk of the prompt's longest live prefix; `cost` must have a prefill estimate (a candidate whose
     replica reported a measured one is priced with that); `queued_s`: seconds of work the caller knows it has
-    queued on a candidate (by replica id, else node id)."""
+    queued on a candidate (by replica id, else node id); `namespace`: the prompt's spec, whose replicas a bare
+    node id stands for (`_load_of`)."""
     usable = min(len(holders), (prompt_tokens - 1) // chunk_tokens)
     out = []
     base = cost
     for c in cands:
-        load = _load_of(c, loads, now_ms, stale_ms)
+        load = _load_of(c, loads, now_ms, stale_ms, namespace)
         measured = fitted_prefill(load.prefill) if load is not None and load.prefill is not None else None
         if measured is not None:
             cost = CostModel(base.links, base.margin)
@@ -286,6 +298,7 @@ def route(
         LOAD_STALE_LEASES * lease_ms,
         cost,
         queued_s,
+        client.spec.namespace,
     )
 
 
@@ -311,6 +324,7 @@ def report_load(client, pending_prefill_tokens: int, queue_depth: int, replica_i
             queue_depth,
             int(LOAD_KEEP_LEASES * client.config.lease_s * 1000),
             tuple(float(x) for x in coef) if coef is not None else None,
+            client.spec.namespace,
         )
     except redis.RedisError:
         client.counts["report_load_errors"] += 1

@@ -100,6 +100,13 @@ class SlotPool:
     def used_bytes(self) -> int:
         return sum(s.nbytes for s in self._slots if s.key is not None)
 
+    @property
+    def free_bytes(self) -> int:
+        """Room for chunks without evicting: the free slots (those set aside for want of space not counted) times
+        the slot size. Not capacity less `used_bytes`: a chunk takes a whole slot whatever its size, so a tier full
+        of a small model's chunks holds few bytes and has no room."""
+        return len(self._free) * self.slot_bytes
+
     # -- store --------------------------------------------------------------------------------------------------
     def prepare_store(
         self,

@@ -39,7 +39,7 @@ from kvmesh.cudart import side_stream
 from kvmesh.handle import NodeCallError, Pending
 from kvmesh.spec import KVSpec
 from kvmesh.tiers import checksum
-from kvmesh.wire import GpuReserved, StoreItem, WireError
+from kvmesh.wire import MAX_KEYS, GpuReserved, StoreItem, WireError
 
 log = logging.getLogger("kvmesh.client")
 MAX_INFLIGHT = 16  # more pending stores than this and new ones are dropped (counted), never waited for
@@ -74,6 +74,11 @@ class StoreQueue:
         over by the background thread, and its replies are not collected)."""
         if not keys:
             return 0
+        if len(keys) > MAX_KEYS:  # one message names at most MAX_KEYS chunks (the node refuses more, whole)
+            return sum(
+                self.submit(group, keys[i : i + MAX_KEYS], chunks[i : i + MAX_KEYS], snapshot, mine)
+                for i in range(0, len(keys), MAX_KEYS)
+            )
         with self._lock:
             if len(self._pending) + self._staging_jobs >= MAX_INFLIGHT:  # (only then: a look costs a Ray call each)
                 done: list[Pending[int]] = []

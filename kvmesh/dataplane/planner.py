@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.directory import Holder
+from kvmesh.wire import MAX_KEYS
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +45,9 @@ def plan_runs(
         raise ValueError(f"per_batch must be at least 1, got {per_batch}")
     if local_batch is not None and local_batch < 1:
         raise ValueError(f"local_batch must be at least 1, got {local_batch}")
-    local_cap = local_batch or len(chunks)
+    # (a run is one message to its node: never more chunks than a message may name)
+    per_batch = min(per_batch, MAX_KEYS)
+    local_cap = min(local_batch or len(chunks), MAX_KEYS)
     runs: list[list] = []  # [holder, start, keys, tiers, incarnation]
     prev: str | None = None
     for i, ch in enumerate(chunks):

@@ -52,3 +52,17 @@ def test_a_run_stays_with_the_previous_holder():
 def test_bad_sizes_are_refused(bad):
     with pytest.raises(ValueError):
         plan_runs(chunks(["A"]), "A", True, **bad)
+
+
+def test_no_run_names_more_chunks_than_one_message_may():
+    """A run is one pin or pull message, which names at most wire.MAX_KEYS chunks (the node refuses a longer one
+    whole: a 70,000-chunk prompt read back nothing)."""
+    from kvmesh.wire import MAX_KEYS, pack_keys, unpack_keys
+
+    n = MAX_KEYS + 5
+    cs = [SimpleNamespace(hash=i.to_bytes(16, "little"), holders=(Holder("A", 7, 1),)) for i in range(n)]
+    for here, local in (("A", True), ("B", False)):
+        runs = plan_runs(cs, here, local, per_batch=10**6)
+        assert [i for r in runs for i in r.indices] == list(range(n))
+        assert [len(r.keys) for r in runs] == [MAX_KEYS, 5]
+        assert unpack_keys(pack_keys(list(runs[0].keys))) == list(runs[0].keys)

@@ -129,3 +129,30 @@ def test_a_short_flush_that_times_out_leaves_the_store_to_a_longer_one():
     node.go.set()
     b.join(5)
     assert got["long"] == 2 and counts["store_failures"] == 0
+
+
+class WireNode:
+    """A node that reads each store message as a KVNode's actor does (wire.unpack_store refuses more than
+    MAX_KEYS items) and stores what it names."""
+
+    def __init__(self) -> None:
+        self.messages: list[int] = []
+
+    def store(self, items, data):
+        from kvmesh.handle import Done
+        from kvmesh.wire import pack_store, unpack_store
+
+        self.messages.append(len(items))
+        return Done.of(lambda: len(unpack_store(pack_store(items))))
+
+
+def test_a_store_of_more_chunks_than_one_message_names_goes_in_several():
+    from kvmesh.wire import MAX_KEYS
+
+    counts: Counter = Counter()
+    node = WireNode()
+    q = StoreQueue(SPEC, node, counts)
+    n = MAX_KEYS + 3
+    chunk = torch.zeros(SPEC.chunk_shape, dtype=torch.float16)
+    assert q.submit(b"g" * 16, [i.to_bytes(16, "little") for i in range(n)], [chunk] * n) == n
+    assert node.messages == [MAX_KEYS, 3] and q.flush(timeout_s=5) == n and counts["store_failures"] == 0

@@ -70,6 +70,7 @@ CLOSE_WAIT_S = 5.0  # close() waits at most this long for the fetches in flight 
 MAX_SEEN = 4096  # hashes remembered per client (a store follows its lookup closely): ~1 MiB at most
 MAX_DEADLINE_S = 86400.0  # a fetch deadline longer than a day is a mistake (threading waits overflow near 1e10 s)
 PULL_THREADS = 8  # concurrent peer receives of one client (runs from different holders, batches of one)
+MAX_MISMATCH_SPECS = 64  # other specs of the model a miss asks about (an extra hash and EXISTS each)
 
 # Slab and object-store buffers are read-only; torch warns when wrapping them. We only ever read them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -279,15 +280,18 @@ class KVMeshClient:
     def _cached_elsewhere(self, toks, salt: bytes) -> bool:
         """On a miss: does another spec of the same model hold this prompt's first chunk? (One extra round trip,
         misses only, with the list of specs cached for a while.) Turns a silent 0 % hit rate from a dtype, TP or
-        layout difference into a counted "spec_mismatch"."""
+        layout difference into a counted "spec_mismatch". Specs that differ from this one only in their LoRA
+        adapter do not count, and at most MAX_MISMATCH_SPECS others are asked."""
         now = time.monotonic()
         if now - self._specs_at > 10.0:
             try:
+                # (another LoRA adapter's KV is another KV, not a setting gone wrong: and with hundreds of
+                # adapters of one model, hashing the prompt for each made every miss milliseconds long)
                 self._other_specs = [
                     x
                     for x in map(_spec_or_none, self.directory.specs_of(self.spec.model_id))
-                    if x is not None and x != self.spec
-                ]
+                    if x is not None and x != self.spec and replace(x, lora_id=self.spec.lora_id) != self.spec
+                ][:MAX_MISMATCH_SPECS]
             except redis.RedisError:
                 self._other_specs = []
             self._specs_at = now

@@ -77,3 +77,33 @@ def test_generate_counts_the_hit_it_uses(node):
         assert sum(delta(before, after, k) for k in after if k.startswith("plan_")) == 2  # one plan per request
     finally:
         c.close()
+
+
+def test_another_adapter_holding_the_prompt_is_not_a_spec_mismatch(node):
+    """A miss whose prompt another LoRA adapter of the model (or the base model) holds is a plain miss: adapters'
+    KV differ by design. Before, it was counted as a "spec_mismatch" (the counter that names a setting gone
+    wrong), and with hundreds of adapters registered every miss hashed the prompt for each of them. A spec that
+    differs in a setting (the dtype here) still is one."""
+    from dataclasses import replace
+
+    base = replace(SPEC, model_id="lc-lora-model")
+    toks = list(range(500, 500 + 2 * 16))
+    kv = torch.randn(base.kv_shape(len(toks))).to(torch.float16)
+    clients = [connect_local(base, node)] + [connect_local(replace(base, lora_id=f"ad{i}@1"), node) for i in range(40)]
+    other_dtype = connect_local(replace(base, lora_id="ad0@1", dtype="bfloat16"), node)
+    try:
+        clients[0].store(toks, kv)
+        assert clients[0].flush() == 2
+        adapter = clients[1]
+        assert adapter.lookup(toks).num_chunks == 0
+        assert adapter.counts["miss_not_cached"] == 1 and not adapter.counts["miss_spec_mismatch"]
+        other_dtype.store(toks, kv.to(torch.bfloat16))
+        assert other_dtype.flush() == 2
+        fresh = connect_local(replace(base, lora_id="ad0@1"), node)  # (a client reads the spec list on its first miss)
+        try:
+            assert fresh.lookup(toks).num_chunks == 0 and fresh.counts["miss_spec_mismatch"] == 1
+        finally:
+            fresh.close()
+    finally:
+        for c in clients + [other_dtype]:
+            c.close()

@@ -922,6 +922,9 @@ class KVNode:
                     "chunks": len(t),
                     "used_bytes": t.used_bytes,
                     "capacity_bytes": (t.num_slots - t.unbacked_slots) * t.slot_bytes,
+                    # a chunk takes a whole slot whatever its size: how full a tier is (what evicts) is chunks of
+                    # slots, not bytes of capacity (a tier full of a small model's chunks holds few bytes)
+                    "slots": t.num_slots - t.unbacked_slots,
                 }
                 for t in self.cascade._tiers()
             ]

@@ -207,10 +207,11 @@ def status(redis_url: str | None, key_prefix: str | None, out=print) -> int:
     if s.get("error"):
         out(f"kvmesh status: {s['error']}")
         return 1
-    rows = [("node", "state", "incarnation", "tiers (used / capacity, chunks)")]
+    rows = [("node", "state", "incarnation", "tiers (used / capacity, chunks of slots)")]
     for n in s["nodes"]:
         tiers = ", ".join(
-            f"{t['tier']} {t['used_bytes'] / MiB:.0f}/{t['capacity_bytes'] / MiB:.0f} MiB ({t['chunks']})"
+            f"{t['tier']} {t['used_bytes'] / MiB:.0f}/{t['capacity_bytes'] / MiB:.0f} MiB "
+            f"({t['chunks']}{'/' + str(t['slots']) if 'slots' in t else ''})"
             for t in n.get("tiers", [])
         )
         rows.append(

@@ -65,6 +65,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvmesh_tier_capacity_bytes": ("gauge", ("node", "tier"), "capacity of a tier"),
     "kvmesh_tier_used_bytes": ("gauge", ("node", "tier"), "bytes held in a tier"),
     "kvmesh_tier_chunks": ("gauge", ("node", "tier"), "chunks held in a tier"),
+    "kvmesh_tier_slots": ("gauge", ("node", "tier"), "chunks a tier can hold (one a slot, whatever its size)"),
     "kvmesh_replicated_bytes": ("gauge", ("node",), "bytes of hot-prefix replicas a node keeps (pulled, registered)"),
     "kvmesh_replicated_chunks": ("gauge", ("node",), "hot-prefix replica chunks a node keeps"),
     "kvmesh_replications_total": ("counter", ("node",), "chunks a node's pull-throughs kept as replicas"),
@@ -276,6 +277,8 @@ def export_node_stats(ray_exp: RayExporter, node: str, stats: dict, last: dict) 
         ray_exp.set("kvmesh_tier_capacity_bytes", tier["capacity_bytes"], node=node, tier=tier["tier"])
         ray_exp.set("kvmesh_tier_used_bytes", tier["used_bytes"], node=node, tier=tier["tier"])
         ray_exp.set("kvmesh_tier_chunks", tier["chunks"], node=node, tier=tier["tier"])
+        if "slots" in tier:  # (an earlier release's stats have none)
+            ray_exp.set("kvmesh_tier_slots", tier["slots"], node=node, tier=tier["tier"])
     for peer, nbytes in stats.get("served_bytes", {}).items():
         prev = last.get("served_bytes", {}).get(peer, 0)  # (a reader forgotten, then back: counted from 0 again)
         ray_exp.inc("kvmesh_served_bytes_total", nbytes - prev if nbytes >= prev else nbytes, node=node, peer=peer)

@@ -37,8 +37,9 @@ panels = [
           [("histogram_quantile(0.5, sum by (le) (rate(ray_kvmesh_directory_rtt_seconds_bucket[5m])))", "p50"),
            ("histogram_quantile(0.99, sum by (le) (rate(ray_kvmesh_directory_rtt_seconds_bucket[5m])))", "p99")],
           "s", 0, 24),
-    panel(8, "Tier occupancy", [("sum by (node, tier) (ray_kvmesh_tier_used_bytes) / "
-                                 "sum by (node, tier) (ray_kvmesh_tier_capacity_bytes)", "{{node}} {{tier}}")],
+    # (slots taken, not bytes: a chunk takes a whole slot whatever its size)
+    panel(8, "Tier occupancy", [("sum by (node, tier) (ray_kvmesh_tier_chunks) / "
+                                 "sum by (node, tier) (ray_kvmesh_tier_slots)", "{{node}} {{tier}}")],
           "percentunit", 12, 24),
     panel(9, "Tier contents", [("sum by (tier) (ray_kvmesh_tier_used_bytes)", "used {{tier}}"),
                                ("sum by (tier) (ray_kvmesh_tier_capacity_bytes)", "capacity {{tier}}"),

@@ -217,3 +217,26 @@ def test_models_and_tenants_with_the_same_tokens_share_a_slab_and_disk_bit_exact
             node.check_integrity(directory=True)
         finally:
             node.shutdown()
+
+
+def test_a_tier_full_of_small_chunks_is_shown_full(nodes):
+    """The node's tier figures (live page, `kvmesh status`, Grafana's tier occupancy) say how many of a tier's
+    slots are taken: four small chunks fill a four-slot slab though they take an eighth of its bytes. Before, the
+    figures were bytes only, and a full tier showed as 12 % used."""
+    from kvmesh.operate import status
+
+    a = nodes[0]
+    c = connect_local(SMALL, a)
+    try:
+        store(c, SMALL, 1, 2, 3, 4)
+        (cpu,) = [t for t in a.stats()["tiers"] if t["tier"] == "cpu"]
+        assert (cpu["chunks"], cpu["slots"]) == (4, 4) and cpu["used_bytes"] * 8 <= cpu["capacity_bytes"]
+
+        def shown() -> str:
+            lines: list[str] = []
+            status(a.config.redis_url, "sn", out=lines.append)
+            return "\n".join(lines)
+
+        wait_until(lambda: "cpu 0/0 MiB (4/4)" in shown(), 10)  # (as the node publishes its stats)
+    finally:
+        c.close()

@@ -280,7 +280,14 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> StepMeta:
         return self._guard("build", StepMeta(), self._sched_side.build_step, scheduler_output)
 
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._sched_side.prefix_cache = kv_cache_manager
+
     def update_connector_output(self, connector_output) -> None:
+        # (vLLM has rolled back the requests that hold failed blocks by now, and left those blocks in its prefix
+        # cache under the recompute policy: see SchedulerSide.uncache_failed)
+        self._guard("uncache", None, self._sched_side.uncache_failed, connector_output.invalid_block_ids)
         self._guard(
             "output",
             None,

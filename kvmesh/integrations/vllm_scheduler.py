@@ -9,6 +9,8 @@
                                                               offered a load again, an unreachable holder is
                                                               avoided for a lease); prefill and fetch times for
                                                               the cost model
+    uncache_failed(invalid_block_ids)                         failed blocks, and what was computed over them, out
+                                                              of vLLM's prefix cache
     finished(request) -> bool                                 whether vLLM must keep the request's blocks until
                                                               the workers report it (a load or a save may still
                                                               read or write them)
@@ -97,6 +99,9 @@ class SchedulerSide:
         # directory may list a dead node until its lease ends (vLLM would otherwise retry the same load)
         self._unreachable: dict[str, float] = {}
         self._directory_down_until = 0.0  # after a failed lookup, new requests skip kvmesh until then
+        # vLLM's KV cache manager (`get_block_ids(req_id)`, `evict_blocks(ids)`), bound by vLLM once it is built
+        # (None when this side runs alone): failed loads are taken out of vLLM's own prefix cache through it
+        self.prefix_cache = None
 
     def client(self, lora_id: str | None, group: int = 0):
         return self._clients.get(lora_id, group)
@@ -398,6 +403,25 @@ class SchedulerSide:
                 cost.prefill.observe(n_new, n_past, seconds)
             for source, nbytes, seconds in report.transfers:
                 cost.observe_transfer(source, nbytes, seconds)
+
+    def uncache_failed(self, invalid_block_ids) -> None:
+        """Take the blocks a load failed to write out of vLLM's prefix cache, with every later block of each request
+        that holds one. vLLM caches a synchronous load's blocks as it allocates them, and the blocks the step
+        computed after them (over what was never written); under the recompute policy it leaves all of them cached
+        until the request recomputes them. A request aborted or preempted first would leave them there for a later
+        prompt with the same prefix to read as its own KV. (An asynchronous load's blocks are cached only once it
+        ended, its failed ones never: evicting them changes nothing.) Block ids name blocks of one group: vLLM takes
+        them only from a model with one KV cache group."""
+        if not invalid_block_ids or self.prefix_cache is None or len(self.specs) > 1:
+            return
+        evict = set(invalid_block_ids)
+        for req_id in self._reqs:  # every unfinished request vLLM asked about: those that share the blocks too
+            (ids,) = self.prefix_cache.get_block_ids(req_id)
+            first = next((i for i, b in enumerate(ids) if b in invalid_block_ids), None)
+            if first is not None:
+                evict.update(ids[first:])
+        self.prefix_cache.evict_blocks(evict)
+        self.counts["vllm_uncached_failed_blocks"] += len(evict)
 
     def finished(self, request) -> bool:
         """The request finished: True if vLLM must keep its blocks until the workers report it (an asynchronous

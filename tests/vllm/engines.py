@@ -97,9 +97,43 @@ class Engine:
         outs = self.llm.generate([{"prompt_token_ids": p, **salt} for p in prompts], sp, use_tqdm=False)
         return [{"ids": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outs]
 
+    def run(self, prompts: list[list[int]], sampling: dict, abort_after: dict[int, int] | None = None,
+            cache_salt: str | None = None) -> list[dict | None]:
+        """Outputs of `prompts` under `SamplingParams(**sampling)`, stepping the engine here: every completion's
+        token ids (and its logprobs, if asked for), the prompt logprobs (if asked for), the cached tokens. Prompt
+        i is aborted after `abort_after[i]` engine steps (its output None)."""
+        from vllm import SamplingParams
+
+        def lp(entries):  # [{token: Logprob}] -> [[(token, logprob)]], None for a position without any
+            return [None if e is None else sorted((t, round(x.logprob, 4)) for t, x in e.items())
+                    for e in entries] if entries is not None else None
+
+        engine, abort_after = self.llm.llm_engine, abort_after or {}
+        salt = {"cache_salt": cache_salt} if cache_salt else {}
+        base = f"run{id(prompts)}-{len(prompts)}-"
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{base}{i}", {"prompt_token_ids": p, **salt}, SamplingParams(detokenize=False,
+                                                                                          **sampling))
+        done: dict[int, dict] = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[int(o.request_id[len(base):])] = {
+                        "outs": [{"ids": list(c.token_ids), "logprobs": lp(c.logprobs)} for c in o.outputs],
+                        "prompt_logprobs": lp(o.prompt_logprobs), "cached": o.num_cached_tokens}
+            steps += 1
+            gone = [f"{base}{i}" for i, k in abort_after.items() if k == steps and i not in done]
+            if gone:
+                engine.abort_request(gone)
+        return [done.get(i) for i in range(len(prompts))]
+
     def prompt_tokens_by_source(self) -> dict[str, int]:
         return {m.labels["source"]: int(m.value) for m in self.llm.get_metrics()
                 if m.name == "vllm:prompt_tokens_by_source"}
+
+    def metric(self, name: str) -> float:
+        return sum(getattr(m, "value", 0) for m in self.llm.get_metrics() if m.name == name)
 
     def counts(self) -> dict[str, dict[str, int]]:
         """The connector's counters: its scheduler side and its worker side."""

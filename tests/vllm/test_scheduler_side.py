@@ -172,6 +172,31 @@ def test_a_step_whose_saves_were_dropped_saves_those_requests_again():
     assert [(j.first_chunk, j.end_chunk) for j in m2.saves] == [(1, 3)]
 
 
+def test_failed_blocks_and_the_blocks_computed_after_them_leave_vllms_prefix_cache():
+    # a sync load of r failed from its block 14 on; q shares r's blocks through vLLM's prefix cache up to 15; p
+    # holds none of them. Every block from the first failed one of each holder goes, and nothing of p's
+    class Cache:
+        def __init__(self, tables):
+            self.tables, self.evicted = tables, set()
+
+        def get_block_ids(self, req_id):
+            return (self.tables.get(req_id, []),)
+
+        def evict_blocks(self, ids):
+            self.evicted |= set(ids)
+
+    s, client = side(cached=4)
+    for r in ("r", "q", "p"):
+        s.lookup(request(r, 1100), 0)
+    s.uncache_failed({14, 15})  # (no cache bound: a no-op)
+    s.prefix_cache = Cache({"r": list(range(10, 20)), "q": [10, 11, 12, 13, 14, 15, 30, 31], "p": [40, 41]})
+    s.uncache_failed(set())
+    assert s.prefix_cache.evicted == set()
+    s.uncache_failed({14, 15})
+    assert s.prefix_cache.evicted == {14, 15, 16, 17, 18, 19, 30, 31}
+    assert client.counts["vllm_uncached_failed_blocks"] == 8
+
+
 def test_a_salted_request_gets_the_engine_salt_in_front():
     s, client = side(cached=0, cache_salt="eng")
     s.lookup(request("r", 300, salt="t1"), 0)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import string
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import redis
@@ -135,6 +135,15 @@ def _queue_s(cost: CostModel, load: ReportedLoad) -> float:
 def _link(holder: Holder, node_id: str) -> str:
     where = "local" if holder.node_id == node_id else "peer"
     return f"{where}-disk" if holder.tier == TIER_DISK else where
+
+
+def load_namespace(spec) -> bytes:
+    """The namespace load reports are matched by: the spec's, less its LoRA adapter and TP rank (one replica serves
+    the base model and its adapters through one queue at one prefill rate, on all its ranks; a router for an
+    adapter prices a bare node id by that replica's report)."""
+    if spec.lora_id is None and spec.tp_rank == 0:
+        return spec.namespace
+    return replace(spec, lora_id=None, tp_rank=0).namespace
 
 
 def _load_of(
@@ -298,7 +307,7 @@ def route(
         LOAD_STALE_LEASES * lease_ms,
         cost,
         queued_s,
-        client.spec.namespace,
+        load_namespace(client.spec),
     )
 
 
@@ -324,7 +333,7 @@ def report_load(client, pending_prefill_tokens: int, queue_depth: int, replica_i
             queue_depth,
             int(LOAD_KEEP_LEASES * client.config.lease_s * 1000),
             tuple(float(x) for x in coef) if coef is not None else None,
-            client.spec.namespace,
+            load_namespace(client.spec),
         )
     except redis.RedisError:
         client.counts["report_load_errors"] += 1

@@ -72,6 +72,8 @@ class _Request:
 
 
 MAX_LOOKUP_ROUNDS = 8  # groups cutting each other's hit short: give up (no hit) after this many rounds
+MAX_GONE = 4096  # finished requests' block tables kept at most
+GONE_CALLS = 4  # update_connector_output calls a finished request's block table is kept for (steps still in flight)
 
 
 class SchedulerSide:
@@ -102,6 +104,10 @@ class SchedulerSide:
         # vLLM's KV cache manager (`get_block_ids(req_id)`, `evict_blocks(ids)`), bound by vLLM once it is built
         # (None when this side runs alone): failed loads are taken out of vLLM's own prefix cache through it
         self.prefix_cache = None
+        # the block tables of requests that finished lately, with how many more `uncache_failed` calls keep them:
+        # with async scheduling a request can be aborted while the step that loaded it is still running, and the
+        # failure reported after vLLM took its blocks back (its table is gone from the KV cache manager by then)
+        self._gone: dict[str, tuple[list[int], int]] = {}
 
     def client(self, lora_id: str | None, group: int = 0):
         return self._clients.get(lora_id, group)
@@ -329,6 +335,8 @@ class SchedulerSide:
     def build_step(self, so) -> StepMeta:
         meta = StepMeta(loads=self._loads, preempted=set(getattr(so, "preempted_req_ids", None) or ()))
         self._loads = []
+        for job in meta.loads:  # (a request preempted by the next schedule() loses its table before the report)
+            self._keep_table(job.req_id)
         before: dict[str, int] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         new_ids = set(before)
         cached = so.scheduled_cached_reqs
@@ -412,16 +420,32 @@ class SchedulerSide:
         prompt with the same prefix to read as its own KV. (An asynchronous load's blocks are cached only once it
         ended, its failed ones never: evicting them changes nothing.) Block ids name blocks of one group: vLLM takes
         them only from a model with one KV cache group."""
+        gone = self._gone
+        self._gone = {r: (ids, left - 1) for r, (ids, left) in gone.items() if left > 1}
         if not invalid_block_ids or self.prefix_cache is None or len(self.specs) > 1:
             return
         evict = set(invalid_block_ids)
-        for req_id in self._reqs:  # every unfinished request vLLM asked about: those that share the blocks too
-            (ids,) = self.prefix_cache.get_block_ids(req_id)
+        # every unfinished request vLLM asked about (those that share the blocks too), and those finished lately
+        tables = [self.prefix_cache.get_block_ids(req_id)[0] for req_id in self._reqs]
+        tables += [ids for ids, _ in gone.values()]
+        for ids in tables:
             first = next((i for i, b in enumerate(ids) if b in invalid_block_ids), None)
             if first is not None:
                 evict.update(ids[first:])
         self.prefix_cache.evict_blocks(evict)
         self.counts["vllm_uncached_failed_blocks"] += len(evict)
+
+    def _keep_table(self, req_id: str) -> None:
+        """Keep a request's block table for the next few `uncache_failed` calls: a request finished, or preempted,
+        while a step that loaded it was in flight (async scheduling) has none in vLLM when that step's failure comes."""
+        if self.prefix_cache is None or len(self.specs) != 1:
+            return
+        tables = self.prefix_cache.get_block_ids(req_id)
+        if len(tables) == 1 and tables[0]:  # (one KV cache group: vLLM reports invalid blocks of no other)
+            self._gone.pop(req_id, None)
+            self._gone[req_id] = (list(tables[0]), GONE_CALLS)
+            if len(self._gone) > MAX_GONE:  # (steps that report nothing to the connector age nothing)
+                del self._gone[next(iter(self._gone))]
 
     def finished(self, request) -> bool:
         """The request finished: True if vLLM must keep its blocks until the workers report it (an asynchronous
@@ -430,6 +454,7 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False
+        self._keep_table(request.request_id)  # (while vLLM still has it)
         pending = [j for j in self._loads if j.req_id == request.request_id]
         if pending:  # never handed to the workers: nothing will write the blocks
             self._loads = [j for j in self._loads if j.req_id != request.request_id]

@@ -240,3 +240,21 @@ def test_a_tier_full_of_small_chunks_is_shown_full(nodes):
         wait_until(lambda: "cpu 0/0 MiB (4/4)" in shown(), 10)  # (as the node publishes its stats)
     finally:
         c.close()
+
+
+def test_a_lora_adapter_s_route_to_a_bare_node_reads_the_base_model_s_replicas_there(nodes):
+    """A replica serves the base model and its adapters (one queue, one prefill rate) and reports its load through
+    one client; a router for an adapter (its own spec: the adapter's chunks hash apart) pricing a bare node id
+    still reads that replica's queue, as it did before reports carried a namespace. Likewise another TP rank's."""
+    from dataclasses import replace
+
+    a = nodes[0]
+    base = connect_local(SMALL, a)
+    adapter = connect_local(replace(SMALL, lora_id="tenant-7"), a)
+    try:
+        assert base.report_load(50_000, 20, "replica-small")
+        (e,) = adapter.route(list(range(1, 1001)), [a.node_id])
+        assert e.load is not None and (e.load.pending_prefill_tokens, e.load.replicas) == (50_000, 1)
+    finally:
+        adapter.close()
+        base.close()

@@ -197,6 +197,60 @@ def test_failed_blocks_and_the_blocks_computed_after_them_leave_vllms_prefix_cac
     assert client.counts["vllm_uncached_failed_blocks"] == 8
 
 
+def test_a_request_aborted_while_its_failed_load_was_in_flight_still_has_its_later_blocks_uncached():
+    # async scheduling (vLLM's default): r is aborted after the step that loaded it was scheduled and before its
+    # output came back; vLLM frees r's blocks (its table is gone) and then reports r's block 14 invalid. Blocks
+    # 15..19 were computed over it and are still in vLLM's prefix cache under the prompt's hashes: once another
+    # request recomputes and caches block 14, a third one reading the prefix gets the stale 15..19
+    class Cache:
+        def __init__(self, tables):
+            self.tables, self.evicted = tables, set()
+
+        def get_block_ids(self, req_id):
+            return (self.tables.get(req_id, []),)
+
+        def evict_blocks(self, ids):
+            self.evicted |= set(ids)
+
+    s, _ = side(cached=4)
+    s.lookup(request("r", 1100), 0)
+    s.prefix_cache = Cache({"r": list(range(10, 20))})
+    s.finished(request("r", 1100))
+    del s.prefix_cache.tables["r"]  # vLLM took the blocks back
+    s.uncache_failed({14})
+    assert s.prefix_cache.evicted == {14, 15, 16, 17, 18, 19}
+    for _ in range(8):  # and is not kept for ever
+        s.uncache_failed(set())
+    s.prefix_cache.evicted.clear()
+    s.uncache_failed({14})
+    assert s.prefix_cache.evicted == {14}
+
+
+def test_a_request_preempted_while_its_failed_load_was_in_flight_still_has_its_later_blocks_uncached():
+    # async scheduling: the next schedule() preempts r (vLLM frees its blocks, telling the connector nothing) before
+    # the output of the step that loaded it reports block 101 invalid
+    class Cache:
+        def __init__(self):
+            self.tables, self.evicted = {}, set()
+
+        def get_block_ids(self, req_id):
+            return (self.tables.get(req_id, []),)
+
+        def evict_blocks(self, ids):
+            self.evicted |= set(ids)
+
+    s, _ = side(cached=4)
+    s.prefix_cache = cache = Cache()
+    r = request("r", 1064)
+    s.lookup(r, 0)
+    cache.tables["r"] = list(range(100, 109))
+    s.allocated(r, cache.tables["r"], 1024)
+    (job,) = s.build_step(step()).loads
+    del cache.tables["r"]  # preempted
+    s.uncache_failed({101})
+    assert cache.evicted == set(range(101, 109))
+
+
 def test_a_salted_request_gets_the_engine_salt_in_front():
     s, client = side(cached=0, cache_salt="eng")
     s.lookup(request("r", 300, salt="t1"), 0)

@@ -290,7 +290,7 @@ class KVMeshClient:
                 self._other_specs = [
                     x
                     for x in map(_spec_or_none, self.directory.specs_of(self.spec.model_id))
-                    if x is not None and x != self.spec and replace(x, lora_id=self.spec.lora_id) != self.spec
+                    if x is not None and x != self.spec and x.lora_id == self.spec.lora_id
                 ][:MAX_MISMATCH_SPECS]
             except redis.RedisError:
                 self._other_specs = []

@@ -40,6 +40,11 @@ into the pool, other than the target's checkpoint, its identity), and the KV for
 the host pool's layout and `SGLANG_FORMAT_VERSION`, bumped whenever this backend changes how it writes a page), so
 engines whose pools differ in layout never share a page.
 
+Weight updates. SGLang's `update_weights_from_*` change the weights under a running engine (and flush its own
+tiers, not L3): the backend follows them (`follow_weight_updates`), from then on with the new weights' identity (a
+local checkpoint directory's fingerprint, else one no other engine shares), and writes nothing until SGLang has
+emptied its tiers of the old weights' pages.
+
 Sliding-window models. SGLang keeps a Mistral- or Gemma-2-style model's KV in one uniform pool (every token of every
 layer; the window is applied by attention), which this backend stores and loads whole. Its hybrid pools (an SWA
 pool beside the full one, Mamba state, DSA indexer keys, DeepSeek-V4's compressed KV, draft-model KV) are refused
@@ -67,6 +72,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -165,11 +171,15 @@ def server_args():
     return None
 
 
-def model_identity(storage_config: HiCacheStorageConfig, options: dict, args=None) -> str:
+def model_identity(storage_config: HiCacheStorageConfig, options: dict, args=None, loaded: str | None = None) -> str:
     """The model id: the option, else a local directory's fingerprint or a hub name with its revision; then what
     changes the KV computed from the same weights, from SGLang's server args `args` where given: random weights
-    (`--load-format dummy`), quantization, a config override (`--json-model-override-args`)."""
-    if "model_id" in options:
+    (`--load-format dummy`), quantization, a config override (`--json-model-override-args`). `loaded`: the identity
+    of the weights SGLang loaded since it started (`KVMeshStorage.weights_updated`), which replaces the model's and
+    its load format."""
+    if loaded:
+        base = loaded
+    elif "model_id" in options:
         base = options["model_id"]
     else:
         name = storage_config.model_name
@@ -186,7 +196,7 @@ def model_identity(storage_config: HiCacheStorageConfig, options: dict, args=Non
             base = f"{name}@{options['model_revision']}"
     if args is None:
         return base
-    if getattr(args, "load_format", None) == "dummy":  # random weights (SGLang's profiling), not the checkpoint's
+    if getattr(args, "load_format", None) == "dummy" and not loaded:  # random weights, not the checkpoint's
         base += "#weights=dummy"
     quantization = getattr(args, "quantization", None)
     if quantization:
@@ -234,9 +244,11 @@ def kv_cache_dtype(host_pool, options: dict, args) -> str:
     return ""
 
 
-def spec_for_pool(storage_config: HiCacheStorageConfig, host_pool, options: dict, args=None) -> KVSpec:
+def spec_for_pool(
+    storage_config: HiCacheStorageConfig, host_pool, options: dict, args=None, loaded: str | None = None
+) -> KVSpec:
     """The kvmesh spec of the pages in SGLang's host pool: one chunk per page. `args`: SGLang's server args
-    (`server_args()`), None outside an engine."""
+    (`server_args()`), None outside an engine; `loaded`: see `model_identity`."""
     layout = getattr(host_pool, "layout", None)
     if layout not in LAYOUTS or not hasattr(host_pool, "kv_buffer"):
         raise ValueError(
@@ -245,7 +257,7 @@ def spec_for_pool(storage_config: HiCacheStorageConfig, host_pool, options: dict
         )
     if getattr(host_pool, "v_head_dim", host_pool.head_dim) != host_pool.head_dim:
         raise ValueError("kvmesh SGLang backend: K and V head dims differ; kvmesh chunks hold equal K and V")
-    model_id = model_identity(storage_config, options, args)
+    model_id = model_identity(storage_config, options, args, loaded)
     compute, quantized = compute_dtype(host_pool, args), kv_cache_dtype(host_pool, options, args)
     if compute:
         model_id += f"#compute={compute}"
@@ -340,6 +352,41 @@ def chunk_view(page: torch.Tensor, layout: str) -> torch.Tensor:
     raise ValueError(f"unsupported host pool layout {layout!r}")
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's backends, told of weight updates and flushes
+
+
+def follow_weight_updates() -> None:
+    """Tell this process's backends when SGLang loads other weights (`update_weights_from_disk`, `_from_tensor`,
+    `_from_distributed`, `_from_ipc`: each ends in `flush_cache_after_weight_update`) and when it has emptied its
+    own tiers since (`HiCacheController.reset`, which a flush runs). Without it the engine went on reading the old
+    weights' pages for its prompts, and wrote its new weights' pages as the old ones' for engines that still run
+    them. Patched once per process."""
+    try:
+        from sglang.srt.managers.cache_controller import HiCacheController
+        from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+    except ImportError:  # (an SGLang that updates weights elsewhere, or not at all)
+        log.warning("kvmesh: this SGLang's weight updates are not followed; restart engines to change weights")
+        return
+    updated, reset = SchedulerWeightUpdaterManager.flush_cache_after_weight_update, HiCacheController.reset
+    if getattr(updated, "_kvmesh", False):
+        return
+
+    def flush_cache_after_weight_update(self, recv_req, *args, **kwargs):
+        for backend in list(_LIVE):  # (before SGLang's flush, which ends the backends' stale state)
+            backend.weights_updated(getattr(recv_req, "model_path", None), getattr(recv_req, "load_format", None))
+        return updated(self, recv_req, *args, **kwargs)
+
+    def reset_tiers(self, *args, **kwargs):
+        out = reset(self, *args, **kwargs)
+        for backend in list(_LIVE):
+            backend.stale = False
+        return out
+
+    flush_cache_after_weight_update._kvmesh = True  # type: ignore[attr-defined]
+    SchedulerWeightUpdaterManager.flush_cache_after_weight_update = flush_cache_after_weight_update
+    HiCacheController.reset = reset_tiers
+
+
 class KVMeshStorage(HiCacheStorage):
     """SGLang's L3 tier in kvmesh. Thread-safe: SGLang calls it from its prefetch and backup threads."""
 
@@ -364,6 +411,10 @@ class KVMeshStorage(HiCacheStorage):
         self._group = b""
         self._gen_at = 0.0
         self._scratch: torch.Tensor | None = None
+        self._loaded: str | None = None  # the identity of weights SGLang loaded since it started, if any
+        # the weights changed and SGLang has not emptied its tiers since: the pages it backs up may be the old
+        # weights' (a flush refused while requests ran leaves them there), so none is written
+        self.stale = False
         self._metrics: dict[str, list] = {
             "prefetch_pgs": [],
             "backup_pgs": [],
@@ -375,12 +426,14 @@ class KVMeshStorage(HiCacheStorage):
         if not ray.is_initialized():
             address = self.options.get("ray_address") or os.environ.get("RAY_ADDRESS") or "auto"
             ray.init(address=address, namespace="kvmesh-sglang", logging_level="WARNING", log_to_driver=False)
+        follow_weight_updates()
+        _LIVE.add(self)
 
     # -- registration -------------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """SGLang hands over its host pool: its geometry completes the spec, and the client connects."""
         super().register_mem_pool_host(mem_pool_host)
-        spec = spec_for_pool(self.storage_config, mem_pool_host, self.options, server_args())
+        spec = spec_for_pool(self.storage_config, mem_pool_host, self.options, server_args(), self._loaded)
         if self.client is not None and spec == self.spec:
             return
         node_id = self.options.get("ray_node_id") or os.environ.get("KVMESH_RAY_NODE_ID") or None
@@ -415,6 +468,26 @@ class KVMeshStorage(HiCacheStorage):
                 client.config.slot_bytes,
             )
         log.info("kvmesh SGLang backend on node %s: %s", client.node_id, spec)
+
+    def weights_updated(self, model_path: str | None, load_format: str | None = None) -> None:
+        """SGLang loaded other weights: from now on this engine's pages are theirs, under their identity (a local
+        directory's fingerprint, shared with engines that run that checkpoint; any other weights, from tensors, a
+        trainer or a hub name, get an identity of their own that no other engine shares); none is written until
+        SGLang has emptied its tiers (`stale`)."""
+        self.stale = True
+        if model_path and os.path.isdir(model_path) and load_format != "dummy":
+            self._loaded = local_model_id(model_path)
+        else:
+            self._loaded = f"weights-update:{secrets.token_hex(16)}"
+        if self.mem_pool_host is None:  # (registered later: with these weights' identity)
+            return
+        try:
+            self.register_mem_pool_host(self.mem_pool_host)
+            self.counts["sglang_weight_updates"] += 1
+        except Exception as e:  # never the old identity for the new weights: no L3 until the engine restarts
+            log.warning("kvmesh: weights changed and the backend could not follow (%s); storage is off", e)
+            self.counts["sglang_errors_weight_update"] += 1
+            self.close()
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         name = str(getattr(host_pool_name, "value", host_pool_name))
@@ -568,6 +641,9 @@ class KVMeshStorage(HiCacheStorage):
     # -- writes -------------------------------------------------------------------------------------------------
     def _store(self, keys: list[str], chunks: list[torch.Tensor]) -> bool:
         """Hand the pages not yet cached to the local node and wait until it holds them and registered them."""
+        if self.stale:
+            self.counts["sglang_set_stale"] += 1
+            return False
         group = self._refresh_generation()
         c = self.counts
         refused = refusals(c)

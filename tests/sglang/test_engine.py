@@ -77,7 +77,8 @@ def prompt(seed: int, n: int = PROMPT) -> list[int]:
 class EngineProcess:
     """A driven engine: `call(op, ...)` sends one command and waits (bounded) for its reply."""
 
-    def __init__(self, model_dir: str, node_id: str, ray_address: str, workdir: str, **extra) -> None:
+    def __init__(self, model_dir: str, node_id: str, ray_address: str, workdir: str, engine_args: dict | None = None,
+                 **extra) -> None:
         config = {"backend_name": "kvmesh", "module_path": "kvmesh.integrations.sglang", "class_name": "KVMeshStorage",
                   "interface_v1": 1, "prefetch_threshold": 16, "fetch_timeout_s": 10, **extra}
         env = dict(os.environ, RAY_ADDRESS=ray_address, KVMESH_RAY_NODE_ID=node_id, SGLANG_USE_CPU_ENGINE="1",
@@ -85,7 +86,7 @@ class EngineProcess:
                    PYTHONPATH=os.pathsep.join([SHIMS, os.path.dirname(os.path.dirname(HERE))]),
                    TMPDIR=workdir, XDG_CACHE_HOME=os.path.join(workdir, "cache"))
         self.log = open(os.path.join(workdir, f"engine-{node_id[:8]}-{os.getpid()}.log"), "w")
-        self.proc = subprocess.Popen([sys.executable, DRIVER, model_dir, json.dumps(config)], env=env, text=True,
+        self.proc = subprocess.Popen([sys.executable, DRIVER, model_dir, json.dumps(config), json.dumps(engine_args or {})], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      start_new_session=True)
         self.replies: queue.Queue = queue.Queue()

@@ -198,3 +198,16 @@ def test_dummy_weights_are_not_the_checkpoints():
     real = spec_for_pool(config, pool, opts, NS(**{**ARGS, "load_format": "auto"}))
     assert real.namespace != spec_for_pool(config, pool, opts, NS(**{**ARGS, "load_format": "dummy"})).namespace
     assert real == spec_for_pool(config, pool, opts, NS(**{**ARGS, "load_format": "safetensors"}))
+
+
+def test_weights_loaded_at_run_time_replace_the_identity_and_the_dummy_load_format():
+    # an engine started with `--load-format dummy` that loads a checkpoint (update_weights_from_disk, as RL rollout
+    # engines do) computes that checkpoint's KV: the checkpoint's identity, not "#weights=dummy"
+    from kvmesh.integrations.sglang import spec_for_pool
+
+    pool, config, opts = host_pool(), storage_config(), {"model_id": "m@r1"}
+    dummy, real = NS(**{**ARGS, "load_format": "dummy"}), NS(**{**ARGS, "load_format": "auto"})
+    assert spec_for_pool(config, pool, opts, dummy, loaded="m@r2") == spec_for_pool(config, pool, {"model_id": "m@r2"},
+                                                                                     real)
+    assert spec_for_pool(config, pool, opts, real, loaded="m@r2").namespace != spec_for_pool(config, pool, opts,
+                                                                                             real).namespace

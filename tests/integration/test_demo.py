@@ -119,7 +119,7 @@ def check_page(browser: str, url: str, tmp_path, summary_rows: dict) -> None:
         row = re.search(rf"<tr><td><code>{n['node_id'][:10]}</code>.*?</tr>", dom)
         assert row and "alive" in row.group(0) and str(n["incarnation"]) in row.group(0), n["node_id"]
         cpu = next(t for t in n["tiers"] if t["tier"] == "cpu")
-        assert f"({cpu['chunks']})" in row.group(0) and "cpu" in row.group(0)  # its CPU tier, chunks held
+        assert f"({cpu['chunks']} of {cpu['slots']} slots)" in row.group(0) and "cpu" in row.group(0)  # chunks held
     assert sum(next(t for t in n["tiers"] if t["tier"] == "cpu")["used_bytes"] for n in alive) > 0
     assert api["traffic"] and all(t["bytes"] > 0 for t in api["traffic"])  # peers served each other
     traffic = dom[dom.index('id="traffic"'):dom.index('id="prefixes"')]

@@ -172,19 +172,22 @@ def test_a_step_whose_saves_were_dropped_saves_those_requests_again():
     assert [(j.first_chunk, j.end_chunk) for j in m2.saves] == [(1, 3)]
 
 
+class Cache:
+    """vLLM's KV cache manager as the scheduler side uses it: block tables by request, and evictions."""
+
+    def __init__(self, tables):
+        self.tables, self.evicted = tables, set()
+
+    def get_block_ids(self, req_id):
+        return (self.tables.get(req_id, []),)
+
+    def evict_blocks(self, ids):
+        self.evicted |= set(ids)
+
+
 def test_failed_blocks_and_the_blocks_computed_after_them_leave_vllms_prefix_cache():
     # a sync load of r failed from its block 14 on; q shares r's blocks through vLLM's prefix cache up to 15; p
     # holds none of them. Every block from the first failed one of each holder goes, and nothing of p's
-    class Cache:
-        def __init__(self, tables):
-            self.tables, self.evicted = tables, set()
-
-        def get_block_ids(self, req_id):
-            return (self.tables.get(req_id, []),)
-
-        def evict_blocks(self, ids):
-            self.evicted |= set(ids)
-
     s, client = side(cached=4)
     for r in ("r", "q", "p"):
         s.lookup(request(r, 1100), 0)
@@ -202,16 +205,6 @@ def test_a_request_aborted_while_its_failed_load_was_in_flight_still_has_its_lat
     # output came back; vLLM frees r's blocks (its table is gone) and then reports r's block 14 invalid. Blocks
     # 15..19 were computed over it and are still in vLLM's prefix cache under the prompt's hashes: once another
     # request recomputes and caches block 14, a third one reading the prefix gets the stale 15..19
-    class Cache:
-        def __init__(self, tables):
-            self.tables, self.evicted = tables, set()
-
-        def get_block_ids(self, req_id):
-            return (self.tables.get(req_id, []),)
-
-        def evict_blocks(self, ids):
-            self.evicted |= set(ids)
-
     s, _ = side(cached=4)
     s.lookup(request("r", 1100), 0)
     s.prefix_cache = Cache({"r": list(range(10, 20))})
@@ -229,18 +222,8 @@ def test_a_request_aborted_while_its_failed_load_was_in_flight_still_has_its_lat
 def test_a_request_preempted_while_its_failed_load_was_in_flight_still_has_its_later_blocks_uncached():
     # async scheduling: the next schedule() preempts r (vLLM frees its blocks, telling the connector nothing) before
     # the output of the step that loaded it reports block 101 invalid
-    class Cache:
-        def __init__(self):
-            self.tables, self.evicted = {}, set()
-
-        def get_block_ids(self, req_id):
-            return (self.tables.get(req_id, []),)
-
-        def evict_blocks(self, ids):
-            self.evicted |= set(ids)
-
     s, _ = side(cached=4)
-    s.prefix_cache = cache = Cache()
+    s.prefix_cache = cache = Cache({})
     r = request("r", 1064)
     s.lookup(r, 0)
     cache.tables["r"] = list(range(100, 109))

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 
 def main() -> None:
@@ -43,42 +44,53 @@ def main() -> None:
     print("REPLY " + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
-        op = cmd["op"]
-        if op == "generate" and "batch" in cmd:
-            params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True, **cmd.get("sampling_params", {})}
-            kw = {k: cmd[k] for k in ("return_logprob", "logprob_start_len", "top_logprobs_num") if k in cmd}
-            outs = engine.generate(input_ids=cmd["batch"], sampling_params=params, **kw)
-            reply = {"outs": [summary(o) for o in (outs if isinstance(outs, list) else [outs])]}
-        elif op == "generate":
-            out = engine.generate(input_ids=cmd["input_ids"],
-                                  sampling_params={"temperature": 0, "max_new_tokens": cmd.get("max_new_tokens", 8),
-                                                   "ignore_eos": True})
-            meta = out["meta_info"]
-            cached = meta.get("cached_tokens_details") or {}
-            reply = {"ids": out["output_ids"], "cached": {k: v for k, v in dict(cached).items()
-                                                          if isinstance(v, (int, float))},
-                     "cached_tokens": meta.get("cached_tokens"), "prompt_tokens": meta.get("prompt_tokens")}
-        elif op == "flush":
-            reply = {"ok": flush(engine)}
-        elif op == "update_weights":  # SGLang's update_weights_from_disk (it flushes its own tiers after)
-            out = engine.update_weights_from_disk(cmd["model_path"])
-            ok, message = (out[0], out[1]) if isinstance(out, tuple) else (out.get("success"), out.get("message"))
-            if not ok and "not flushed" in str(message):  # (updated; the flush after it met a scheduler not idle
-                ok = flush(engine)  # yet, as a flush right after a generate can: flushed as "flush" does)
-            reply = {"ok": bool(ok), "message": str(message)}
-        elif op == "quit":
+        if cmd["op"] == "quit":
             engine.shutdown()
             print("REPLY " + json.dumps({"ok": True}), flush=True)
             return
-        else:
-            reply = {"error": f"unknown op {op!r}"}
+        try:
+            reply = serve(engine, cmd)
+        except Exception as e:  # (e.g. SGLang aborting a request it has no room for: the test sees why, the
+            # engine stays up for the next command and for a clean shutdown)
+            traceback.print_exc()
+            reply = {"error": f"{type(e).__name__}: {e}"}
         print("REPLY " + json.dumps(reply), flush=True)
+
+
+def serve(engine, cmd: dict) -> dict:
+    op = cmd["op"]
+    if op == "generate" and "batch" in cmd:
+        params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True, **cmd.get("sampling_params", {})}
+        kw = {k: cmd[k] for k in ("return_logprob", "logprob_start_len", "top_logprobs_num") if k in cmd}
+        outs = engine.generate(input_ids=cmd["batch"], sampling_params=params, **kw)
+        reply = {"outs": [summary(o) for o in (outs if isinstance(outs, list) else [outs])]}
+    elif op == "generate":
+        out = engine.generate(input_ids=cmd["input_ids"],
+                              sampling_params={"temperature": 0, "max_new_tokens": cmd.get("max_new_tokens", 8),
+                                               "ignore_eos": True})
+        meta = out["meta_info"]
+        cached = meta.get("cached_tokens_details") or {}
+        reply = {"ids": out["output_ids"], "cached": {k: v for k, v in dict(cached).items()
+                                                      if isinstance(v, (int, float))},
+                 "cached_tokens": meta.get("cached_tokens"), "prompt_tokens": meta.get("prompt_tokens")}
+    elif op == "flush":
+        reply = {"ok": flush(engine)}
+    elif op == "update_weights":  # SGLang's update_weights_from_disk (it flushes its own tiers after)
+        out = engine.update_weights_from_disk(cmd["model_path"])
+        ok, message = (out[0], out[1]) if isinstance(out, tuple) else (out.get("success"), out.get("message"))
+        if not ok and "not flushed" in str(message):  # (updated; the flush after it met a scheduler not idle
+            ok = flush(engine)  # yet, as a flush right after a generate can: flushed as "flush" does)
+        reply = {"ok": bool(ok), "message": str(message)}
+    else:
+        reply = {"error": f"unknown op {op!r}"}
+    return reply
 
 
 def flush(engine) -> bool:
     # SGLang refuses a flush until its scheduler has gone idle, which can be a moment after a generate returned
-    # (its last batch is cleared on the next loop); ask again for a while, as a user would
-    for _ in range(50):
+    # (its last batch is cleared on the next loop; with write-back, after its backups to storage are done too);
+    # ask again for a while, as a user would
+    for _ in range(300):
         if engine.flush_cache().success:
             return True
         time.sleep(0.2)

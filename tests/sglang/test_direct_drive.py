@@ -274,9 +274,10 @@ def test_a_generation_the_directory_forgot_is_never_reused(sgl_cluster, redis_se
         gen = int(r.get(key))
         assert gen >= 1
         r.delete(key)  # the directory forgets it
-        # A's next refresh (within generation_refresh_s) puts back the generation it knows
+        # A's next refresh (within generation_refresh_s) puts back the generation it knows (30 s: on a loaded
+        # machine a Redis call over lookup_timeout_s opens the client's breaker for 5 s, and no refresh runs then)
         wait_until(lambda: ray.get(ea.call.remote("batch_exists", keys), timeout=60) == 0
-                   and int(r.get(key) or 0) == gen, 10)
+                   and int(r.get(key) or 0) == gen, 30)
         ray.get(eb.call.remote("clear"), timeout=60)  # B never saw A's clear: still, no generation is reused
         assert int(r.get(key)) == gen + 1
     finally:
@@ -370,7 +371,8 @@ def test_with_redis_down_batch_calls_are_misses_and_serving_resumes(engines, red
     finally:
         redis_server.restart()
     assert got["exists"] == 0 and got["ok"] == [False] * PAGES
-    assert got["counts"].get("directory_errors", 0) >= 1
+    # (a failed call, or none at all when the client's breaker had already opened on a failure of its table refresh)
+    assert got["counts"].get("directory_errors", 0) + got["counts"].get("directory_skipped", 0) >= 1
     assert len(wrote) == 2 and all(isinstance(w, bool) for w in wrote)  # an answer, not an exception
     # the nodes re-register what they hold in the emptied Redis: B reads its pages from kvmesh again
     wait_until(lambda: ray.get(eb.call.remote("batch_exists", keys), timeout=60) == PAGES, 20)

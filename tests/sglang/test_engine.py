@@ -84,7 +84,8 @@ class EngineProcess:
         env = dict(os.environ, RAY_ADDRESS=ray_address, KVMESH_RAY_NODE_ID=node_id, SGLANG_USE_CPU_ENGINE="1",
                    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    PYTHONPATH=os.pathsep.join([SHIMS, os.path.dirname(os.path.dirname(HERE))]),
-                   TMPDIR=workdir, XDG_CACHE_HOME=os.path.join(workdir, "cache"))
+                   TMPDIR=workdir, XDG_CACHE_HOME=os.path.join(workdir, "cache"),
+                   PYTHONFAULTHANDLER="1")  # (a crash in native code leaves its stack in the log)
         self.log = open(os.path.join(workdir, f"engine-{node_id[:8]}-{os.getpid()}.log"), "w")
         self.proc = subprocess.Popen([sys.executable, DRIVER, model_dir, json.dumps(config), json.dumps(engine_args or {})], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
@@ -102,9 +103,28 @@ class EngineProcess:
         try:
             reply = self.replies.get(timeout=timeout_s)
         except queue.Empty:
-            raise AssertionError(f"the engine did not answer within {timeout_s} s (see {self.log.name})") from None
-        assert reply is not None, f"the engine process exited (rc={self.proc.poll()}, see {self.log.name})"
+            raise AssertionError(f"the engine did not answer within {timeout_s} s{self._log_tail()}") from None
+        if reply is None:
+            try:
+                rc = self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                rc = None
+            raise AssertionError(f"the engine process exited (rc={rc}){self._log_tail()}")
+        if "error" in reply:  # (the driver caught what the engine raised)
+            raise AssertionError(f"the engine failed: {reply['error']}{self._log_tail()}")
         return reply
+
+    def _log_tail(self, lines: int = 60) -> str:
+        """The end of the engine's log, for a failure's message (CI keeps no files)."""
+        self.log.flush()
+        with open(self.log.name, errors="replace") as f:
+            tail = f.readlines()[-lines:]
+        try:
+            with open("/proc/meminfo") as f:
+                mem = " ".join(line.split(":")[1].strip() for line in f if line.startswith(("MemTotal", "MemAvailable")))
+        except OSError:
+            mem = "?"
+        return f"; memory total/available {mem}; the end of {self.log.name}:\n" + "".join(tail)
 
     def call(self, op: str, timeout_s: float = 180, **args) -> dict:
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")

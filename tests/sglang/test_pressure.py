@@ -13,8 +13,14 @@ from tests.sglang.test_engine import EngineProcess, make_model, prompt
 
 pytestmark = pytest.mark.timeout(900)
 MiB = 1 << 20
-PRESSURE = dict(page_size=8, max_total_tokens=704, chunked_prefill_size=64, hicache_ratio=2.0,
+# (1,024 tokens: with write-back, a device page leaves only once its host copy exists, and a host page only once
+# its storage copy does; at 704, stores slowed to 1 s by a loaded machine left SGLang no room for a 512-token
+# prompt, and it aborted the request: "Out of memory even after retracting all other requests")
+PRESSURE = dict(page_size=8, max_total_tokens=1024, chunked_prefill_size=64, hicache_ratio=2.0,
                 hicache_write_policy="write_back", hicache_storage_prefetch_policy="timeout")
+# the timeout policy's deadline: SGLang's 1 s (+0.25 s a 1k tokens) default cut every read short on a loaded
+# machine (then nothing reads from storage and the test proves nothing)
+PRESSURE_EXTRA = dict(prefetch_timeout_base=30)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +62,7 @@ def engines(sgl_cluster, tmp_path_factory):
     perturbed(m1, m2)
     _, a, b = cluster.node_ids()
     procs = {"W": EngineProcess(m1, a, cluster.address, work),
-             "P": EngineProcess(m1, b, cluster.address, work, engine_args=PRESSURE)}
+             "P": EngineProcess(m1, b, cluster.address, work, engine_args=PRESSURE, **PRESSURE_EXTRA)}
     try:
         for p in procs.values():
             assert p.wait(400) == {"ready": True}
@@ -103,7 +109,7 @@ def test_a_small_device_pool_write_back_and_the_timeout_policy_reuse_with_the_to
     e = engines["P"]
     prompts = {n: prompt(400 + n, n) for n in (512, 513, 511, 72, 5)}
     first = {n: e.generate(p) for n, p in prompts.items()}
-    for i in range(3):  # 1,536 tokens through a 704-token device pool and a 1,408-token host pool
+    for i in range(7):  # 3,584 tokens through a 1,024-token device pool and a 2,048-token host pool
         e.generate(prompt(450 + i))
     for tag in ("evicted", "flushed"):  # (write-back: SGLang backs a page up once it left the device, in time)
         if tag == "flushed":
@@ -112,8 +118,11 @@ def test_a_small_device_pool_write_back_and_the_timeout_policy_reuse_with_the_to
         for n, p in prompts.items():
             again = e.generate(p)
             assert again["ids"] == first[n]["ids"], (tag, n)
-            assert again["cached"].get("storage", 0) in (0, (n - 1) // 8 * 8), (tag, n, again)
-            hits += again["cached"].get("storage", 0)
+            # (whole pages, at most all but the last token's; fewer when a slow store had backed up only the
+            # first pages by the time SGLang dropped the rest from its host pool)
+            got = again["cached"].get("storage", 0)
+            assert got % 8 == 0 and got <= (n - 1) // 8 * 8, (tag, n, again)
+            hits += got
         assert hits, tag  # (each run here: every prompt of 72 tokens or more, from storage)
     q = prompt(460)
     ref = full(e, q)

@@ -265,6 +265,9 @@ def test_a_generation_the_directory_forgot_is_never_reused(sgl_cluster, redis_se
     cluster, _ = sgl_cluster
     _, a, b = cluster.node_ids()
     ea, eb = engine_on(a, seed=8, model="tiny-gen@r1"), engine_on(b, seed=9, model="tiny-gen@r1")
+    # (both registered before the counter goes: a B that registered after found no counter and started one at a
+    # random number, which A then took whenever it was the larger: a fresh generation, right, but not this test's)
+    assert ray.get([ea.node.remote(), eb.node.remote()], timeout=120) == [a, b]
     keys = keys_for("doc8", 2)
     assert ray.get(ea.write.remote(keys, 0), timeout=120)[0] == [True] * 2
     ray.get(ea.call.remote("clear"), timeout=60)

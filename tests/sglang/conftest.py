@@ -14,6 +14,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 if SHIMS not in sys.path:
     sys.path.insert(0, SHIMS)
 
+import contextlib
 import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
@@ -26,15 +27,23 @@ else:
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def sgl_cluster(redis_server):
-    """A real 3-node Ray cluster (the driver on the head) with one KVNode per node, for one test module."""
+@contextlib.contextmanager
+def sgl_mesh(redis_url: str, **settings):
+    """A real 3-node Ray cluster (the driver on the head) with one KVNode per node; `settings` override the KVNodes'
+    settings below."""
     import kvmesh
     from kvmesh.local import LocalRayCluster
 
     cluster = LocalRayCluster(3, num_cpus=1, object_store_bytes=100 * MiB)
-    mesh = kvmesh.start(redis_server.url, cpu_bytes=8 * MiB, slot_bytes=64 * 1024, lease_s=2.0, heartbeat_s=0.5,
-                        node_refresh_s=0.2, fetch_timeout_s=5.0, key_prefix="sgl")
+    mesh = kvmesh.start(redis_url, **{**dict(cpu_bytes=8 * MiB, slot_bytes=64 * 1024, lease_s=2.0, heartbeat_s=0.5,
+                                             node_refresh_s=0.2, fetch_timeout_s=5.0, key_prefix="sgl"), **settings})
     yield cluster, mesh
     kvmesh.stop()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sgl_cluster(redis_server):
+    """`sgl_mesh` for one test module."""
+    with sgl_mesh(redis_server.url) as both:
+        yield both

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from tests.sglang.conftest import sgl_mesh
 from tests.sglang.test_engine import EngineProcess, make_model, prompt
 
 pytestmark = pytest.mark.timeout(900)
@@ -27,15 +28,8 @@ PRESSURE_EXTRA = dict(prefetch_timeout_base=30)
 def sgl_cluster(redis_server):
     """conftest's cluster with room for every page these tests write (an 8-token page of the llama model is 8 KiB:
     64 KiB slots held too few of them, and LRU evictions would hide what is tested)."""
-    import kvmesh
-    from kvmesh.local import LocalRayCluster
-
-    cluster = LocalRayCluster(3, num_cpus=1, object_store_bytes=100 * MiB)
-    mesh = kvmesh.start(redis_server.url, cpu_bytes=32 * MiB, slot_bytes=16 * 1024, lease_s=2.0, heartbeat_s=0.5,
-                        node_refresh_s=0.2, fetch_timeout_s=5.0, key_prefix="sglp")
-    yield cluster, mesh
-    kvmesh.stop()
-    cluster.shutdown()
+    with sgl_mesh(redis_server.url, cpu_bytes=32 * MiB, slot_bytes=16 * 1024, key_prefix="sglp") as both:
+        yield both
 
 
 def perturbed(src: str, dst: str) -> None:

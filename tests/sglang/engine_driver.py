@@ -13,7 +13,9 @@ reads JSON commands on stdin, one per line, and answers each with one line `REPL
     {"op": "update_weights", "model_path": DIR} -> {"ok": true, ...}   SGLang's update_weights_from_disk (which
                                           flushes its tiers after)
     {"op": "flush"}   -> {"ok": true}     SGLang's flush_cache(): empties its GPU (here: device) and host tiers
-                                          (asked again for up to 10 s while the scheduler is not idle yet)
+                                          (once SGLang is idle, as "settle" waits for: up to 150 s)
+    {"op": "settle"}  -> {"ok": true}     waits (up to 150 s) until SGLang is idle: no request and no HiCache
+                                          transfer in flight, its backups to storage included (flushes nothing)
     {"op": "quit"}    -> {"ok": true}     shuts the engine down and exits
 
 The engine's scheduler process builds the backend: it joins the Ray cluster at $RAY_ADDRESS and uses the KVNode of
@@ -75,6 +77,8 @@ def serve(engine, cmd: dict) -> dict:
                  "cached_tokens": meta.get("cached_tokens"), "prompt_tokens": meta.get("prompt_tokens")}
     elif op == "flush":
         reply = {"ok": flush(engine)}
+    elif op == "settle":
+        reply = {"ok": settle(engine)}
     elif op == "update_weights":  # SGLang's update_weights_from_disk (it flushes its own tiers after)
         out = engine.update_weights_from_disk(cmd["model_path"])
         ok, message = (out[0], out[1]) if isinstance(out, tuple) else (out.get("success"), out.get("message"))
@@ -86,14 +90,27 @@ def serve(engine, cmd: dict) -> dict:
     return reply
 
 
-def flush(engine) -> bool:
+def flush(engine, timeout_s: float = 150) -> bool:
     # SGLang refuses a flush until its scheduler has gone idle, which can be a moment after a generate returned
-    # (its last batch is cleared on the next loop; with write-back, after its backups to storage are done too);
-    # ask again for a while, as a user would
-    for _ in range(300):
-        if engine.flush_cache().success:
+    # (its last batch is cleared on the next loop; with write-back, after its backups to storage are done too,
+    # which a slow store can keep going for long): wait for that, and ask again for a while, as a user would
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if settle(engine, deadline - time.monotonic()) and engine.flush_cache().success:
             return True
         time.sleep(0.2)
+    return False
+
+
+def settle(engine, timeout_s: float = 150) -> bool:
+    # (the shim's scheduler method raises while SGLang is busy; collective_rpc asserts that it did not)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            engine.collective_rpc("kvmesh_test_raise_unless_idle")
+            return True
+        except AssertionError:  # (SGLang logs each refusal: "Failed to call rpc")
+            time.sleep(0.5)
     return False
 
 

@@ -167,8 +167,13 @@ def test_part_holder_killed_between_exists_and_get(engines):
     assert ok == [True] * 4
     ok, ref_h = ray.get(h.write.remote(keys[4:], 640), timeout=60)
     assert ok == [True] * 4
-    # (after the FLUSHALL above, H's node may re-join a moment after A's: its pages are listed once it has)
-    wait_until(lambda: ray.get(b.call.remote("batch_exists", keys), timeout=60) == PAGES, 15)
+    # Written again until B finds them all, as SGLang's next backup would. After the FLUSHALL above, H's node may
+    # re-join a moment after A's; and H, which has not read the generation counter since B's clear, can be the
+    # first to put the lost counter back, with the generation it knew: its first write lands there, and it
+    # follows A and B at its next read, a second later (a full-suite run here failed at 15 s without the rewrite)
+    wait_until(lambda: ray.get(a.write.remote(keys[:4], 640), timeout=60)[0] == [True] * 4
+               and ray.get(h.write.remote(keys[4:], 640), timeout=60)[0] == [True] * 4
+               and ray.get(b.call.remote("batch_exists", keys), timeout=60) == PAGES, 30)
     kill_node(engines["nodes"]["H"])
     r = ray.get(b.get.remote(keys), timeout=60)
     full = torch.cat([ref, ref_h], dim=2)

@@ -14,9 +14,11 @@ from tests.sglang.test_engine import EngineProcess, make_model, prompt
 
 pytestmark = pytest.mark.timeout(900)
 MiB = 1 << 20
-# (1,024 tokens: with write-back, a device page leaves only once its host copy exists, and a host page only once
-# its storage copy does; at 704, stores slowed to 1 s by a loaded machine left SGLang no room for a 512-token
-# prompt, and it aborted the request: "Out of memory even after retracting all other requests")
+# (with write-back, a device page leaves only once its host copy exists, and a host page only once its storage
+# copy does: when stores are slower than prefill, pages waiting for their storage copy fill the host pool, nothing
+# can leave the device, and SGLang aborts the request for want of room and dies ("Prefill out of memory"). Seen in
+# CI twice, with a 704- and then a 1,024-token pool; reproduced here with each store slowed by 3 s. The test feeds
+# the engine as a paced client would: the next prompt once SGLang is idle, its backups to storage done (`settle`))
 PRESSURE = dict(page_size=8, max_total_tokens=1024, chunked_prefill_size=64, hicache_ratio=2.0,
                 hicache_write_policy="write_back", hicache_storage_prefetch_policy="timeout")
 # the timeout policy's deadline: SGLang's 1 s (+0.25 s a 1k tokens) default cut every read short on a loaded
@@ -66,6 +68,13 @@ def engines(sgl_cluster, tmp_path_factory):
             p.close()
 
 
+def paced(e: EngineProcess, ids: list[int]) -> dict:
+    """A generate, then a wait until SGLang is idle again (see PRESSURE)."""
+    out = e.generate(ids)
+    assert e.call("settle") == {"ok": True}
+    return out
+
+
 def full(e: EngineProcess, ids: list[int]) -> dict:
     """A generate that computes the whole prompt (prompt logprobs from its first token: no prefix is reused)."""
     out = e.call("generate", batch=[ids], return_logprob=True, logprob_start_len=0)["outs"][0]
@@ -102,15 +111,15 @@ def test_a_small_device_pool_write_back_and_the_timeout_policy_reuse_with_the_to
     the first compute gave; so do prompt logprobs (a full prefill) and a batch sharing a prefix."""
     e = engines["P"]
     prompts = {n: prompt(400 + n, n) for n in (512, 513, 511, 72, 5)}
-    first = {n: e.generate(p) for n, p in prompts.items()}
+    first = {n: paced(e, p) for n, p in prompts.items()}
     for i in range(7):  # 3,584 tokens through a 1,024-token device pool and a 2,048-token host pool
-        e.generate(prompt(450 + i))
+        paced(e, prompt(450 + i))
     for tag in ("evicted", "flushed"):  # (write-back: SGLang backs a page up once it left the device, in time)
         if tag == "flushed":
             assert e.call("flush") == {"ok": True}
         hits = 0
         for n, p in prompts.items():
-            again = e.generate(p)
+            again = paced(e, p)
             assert again["ids"] == first[n]["ids"], (tag, n)
             # (whole pages, at most all but the last token's; fewer when a slow store had backed up only the
             # first pages by the time SGLang dropped the rest from its host pool)

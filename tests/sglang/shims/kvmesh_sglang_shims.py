@@ -8,6 +8,9 @@ Import hooks that patch SGLang modules right after they load (nothing in site-pa
 - pool_host/common.py: cudaHostRegister/unregister become no-ops.
 - pool_host/mha.py: a pure-torch `transfer_kv_direct` (imported there only for CUDA/HIP/XPU); it needs
   hicache_io_backend="direct" with hicache_mem_layout="layer_first".
+- managers/scheduler.py: `Scheduler.kvmesh_test_raise_unless_idle`, which the test driver calls through
+  `Engine.collective_rpc` to wait, without flushing, until SGLang has no request and no HiCache transfer (its
+  backups to storage included) in flight (`is_fully_idle`, what `flush_cache` waits for).
 Loaded by `sitecustomize.py` beside it (PYTHONPATH=tests/sglang/shims), so SGLang's spawned processes get them too.
 """
 
@@ -60,7 +63,16 @@ def _patch_base(mod):
     cls.__init__ = __init__
 
 
+def _patch_scheduler(mod):
+    def kvmesh_test_raise_unless_idle(self):
+        if not self.is_fully_idle():
+            raise RuntimeError("busy")
+
+    mod.Scheduler.kvmesh_test_raise_unless_idle = kvmesh_test_raise_unless_idle
+
+
 _PATCHES = {"sglang.srt.mem_cache.pool_host.base": _patch_base,
+            "sglang.srt.managers.scheduler": _patch_scheduler,
             "sglang.srt.mem_cache.pool_host.common": _patch_common,
             "sglang.srt.mem_cache.pool_host.mha": _patch_mha}
 

@@ -90,6 +90,8 @@ log = logging.getLogger("kvmesh.sglang")
 # counter that is not there starts at ARGV[3], a random number (GEN_START): a Redis that lost the counter (its data)
 # while every engine that knew it restarted must not send them back to a generation the nodes still hold pages of
 # from before a clear (they re-register everything they hold after such a loss). So a generation is never 0 either.
+# Only an engine that read the counter lately (`_trust_s`) puts back what it knows: one idle since then may have
+# missed a clear, and putting back the generation that clear left would bring its pages back for everyone.
 _GEN_AT_LEAST = """
 local v = tonumber(redis.call('GET', KEYS[1]) or ARGV[3])
 if v < tonumber(ARGV[1]) then v = tonumber(ARGV[1]) end
@@ -409,7 +411,9 @@ class KVMeshStorage(HiCacheStorage):
         self._root = b""
         self._generation = 0
         self._group = b""
-        self._gen_at = 0.0
+        self._gen_at = 0.0  # when the counter was last asked for
+        self._gen_seen_at = 0.0  # when it was last read (or put back) by this engine
+        self._gen_lost_at = 0.0  # when this engine, too long idle to put it back, first found it missing
         self._scratch: torch.Tensor | None = None
         self._loaded: str | None = None  # the identity of weights SGLang loaded since it started, if any
         # the weights changed and SGLang has not emptied its tiers since: the pages it backs up may be the old
@@ -457,6 +461,7 @@ class KVMeshStorage(HiCacheStorage):
             self._page_shape = tuple(mem_pool_host.get_data_page(0, flat=False).shape)
             self._root = root_hash(spec.namespace, self.options.get("cache_salt"))
             self._scratch, self._generation, self._group, self._gen_at = None, 0, b"", 0.0
+            self._gen_seen_at = self._gen_lost_at = 0.0
         if old is not None:
             old.close()
         self._refresh_generation(force=True)
@@ -503,8 +508,14 @@ class KVMeshStorage(HiCacheStorage):
         assert self.client is not None, "registered"
         return generation_key(self.client.config.key_prefix, self._root)
 
+    def _trust_s(self) -> float:
+        """How lately this engine must have read the counter to put back, when it is missing, the generation it
+        knows (a clear reaches every engine within `generation_refresh_s`; this allows ten of those)."""
+        return max(10 * self.options.get("generation_refresh_s", 1.0), 10.0)
+
     def _refresh_generation(self, force: bool = False) -> bytes:
-        """The directory group of the current generation, re-read at most every `generation_refresh_s`."""
+        """The directory group of the current generation, re-read at most every `generation_refresh_s`; b"" while
+        the generation is unknown (the counter is missing and this engine cannot vouch for the one it knew)."""
         now = time.monotonic()
         due = force or now - self._gen_at > self.options.get("generation_refresh_s", 1.0)
         # (not while the client's breaker is open: the directory failed moments ago, and a read would wait out
@@ -516,26 +527,50 @@ class KVMeshStorage(HiCacheStorage):
                 client = self.client  # (the one of `_root` now: a re-registration may have switched both)
                 try:
                     assert client is not None, "registered"
-                    r = client.directory.redis
-                    raw = r.get(self._gen_key())
-                    if raw is None:  # a new spec and salt, or a directory that lost the counter: the generation
-                        # this engine knows (put back), else a random start
-                        start = self._generation or _gen_start()
-                        raw = r.eval(_GEN_AT_LEAST, 1, self._gen_key(), self._generation, 0, start)
-                    gen = int(raw)
-                    if gen < self._generation:  # the directory forgot it (lost its data, or went back to an older
-                        # snapshot): put back what this engine knows, or a later clear would reuse a generation
-                        # whose pages the nodes still hold (and re-register after such a loss): cleared pages back
-                        gen = int(r.eval(_GEN_AT_LEAST, 1, self._gen_key(), self._generation, 0, _gen_start()))
+                    gen = self._read_generation(client.directory.redis, now)
                 except Exception as e:  # Redis away: keep the last generation
                     self.counts["sglang_generation_errors"] += 1
                     log.debug("kvmesh: generation read failed: %s", e)
                     if client is not None:
                         client.view.failed()
                     gen = self._generation
-                if gen != self._generation or not self._group:
+                if gen is None:
+                    self._group = b""
+                elif gen != self._generation or not self._group:
                     self._generation, self._group = gen, generation_group(self._root, gen)
         return self._group
+
+    def _read_generation(self, r, now: float) -> int | None:
+        """The counter's value, put back first where it is missing or lower than what this engine knows and may
+        vouch for (it read the counter within `_trust_s`); None: missing, and this engine may not put it back yet."""
+        key = self._gen_key()
+        raw = r.get(key)
+        vouch = bool(self._generation) and now - self._gen_seen_at <= self._trust_s()
+        if raw is None:  # a new spec and salt, or a directory that lost the counter (its data, an older snapshot)
+            if vouch:  # put back the generation this engine knows
+                raw = r.eval(_GEN_AT_LEAST, 1, key, self._generation, 0, self._generation)
+            elif not self._generation or now - (self._gen_lost_at or now) >= self._trust_s():
+                # a first engine of this spec, or nobody who could vouch put it back in time: a random start
+                raw = r.eval(_GEN_AT_LEAST, 1, key, 0, 0, _gen_start())
+            else:  # an engine idle since its last read may have missed a clear: wait for one that has not
+                if not self._gen_lost_at:
+                    self._gen_lost_at = now
+                    self.counts["sglang_generation_unknown"] += 1
+                    log.warning(
+                        "kvmesh: the generation counter is missing; waiting up to %.0f s for an engine that "
+                        "knows the current generation to put it back (misses meanwhile)",
+                        self._trust_s(),
+                    )
+                return None
+        gen = int(raw)
+        if gen < self._generation:  # the directory forgot it (lost its data, or went back to an older snapshot):
+            # put back what this engine knows, or a later clear would reuse a generation whose pages the nodes
+            # still hold (and re-register after such a loss): cleared pages back. One that cannot vouch for it
+            # knows only that neither number is safe: a fresh one, above both
+            at_least = self._generation if vouch else self._generation + _gen_start()
+            gen = int(r.eval(_GEN_AT_LEAST, 1, key, at_least, 0, _gen_start()))
+        self._gen_seen_at, self._gen_lost_at = now, 0.0
+        return gen
 
     def clear(self) -> None:
         """Forget every page of this spec and salt, cluster-wide: a new generation (engines of this spec see it
@@ -545,9 +580,12 @@ class KVMeshStorage(HiCacheStorage):
         try:
             r = self.client.directory.redis
             old = self._refresh_generation(force=True)
-            # (never a generation seen before)
-            gen = int(r.eval(_GEN_AT_LEAST, 1, self._gen_key(), self._generation, 1, _gen_start()))
-            r.delete(self.client.directory.group_key(old))
+            # (never a generation seen before: above what this engine knows, and where the counter is missing and
+            # that may be out of date (`_read_generation`), above anything it could have been since)
+            at_least = self._generation if old else self._generation + _gen_start()
+            gen = int(r.eval(_GEN_AT_LEAST, 1, self._gen_key(), at_least, 1, _gen_start()))
+            if old:
+                r.delete(self.client.directory.group_key(old))
             with self._gen_lock:
                 self._generation, self._group = gen, generation_group(self._root, gen)
             self.counts["sglang_clears"] += 1
@@ -557,8 +595,11 @@ class KVMeshStorage(HiCacheStorage):
 
     # -- queries ------------------------------------------------------------------------------------------------
     def _lookup(self, keys: list[str], count: bool = True):
+        """The directory's match of `keys`; None while the generation is unknown (a miss)."""
         group = self._refresh_generation()
         assert self.client is not None, "registered"
+        if not group:
+            return None
         return self.client.lookup_keys(group, page_keys(group, keys), count=count)
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -569,7 +610,8 @@ class KVMeshStorage(HiCacheStorage):
             self.counts["sglang_not_registered"] += 1
             return 0
         try:
-            n = self._lookup(list(keys)).num_chunks
+            match = self._lookup(list(keys))
+            n = match.num_chunks if match is not None else 0
         except Exception as e:
             self.counts["sglang_errors_exists"] += 1
             log.warning("kvmesh: batch_exists failed: %s", e)
@@ -586,7 +628,7 @@ class KVMeshStorage(HiCacheStorage):
         """Fetch the leading cached pages of `keys`; `write_page(i, chunk)` puts page i where SGLang wants it.
         Returns how many pages arrived intact (a failed holder or the deadline truncates)."""
         match = self._lookup(keys, count=False)  # (SGLang asked `batch_exists` first: that lookup is counted)
-        n = match.num_chunks
+        n = match.num_chunks if match is not None else 0
         if not n:
             return 0
         s = self.spec
@@ -645,6 +687,9 @@ class KVMeshStorage(HiCacheStorage):
             self.counts["sglang_set_stale"] += 1
             return False
         group = self._refresh_generation()
+        if not group:  # (the generation is unknown for now: see _read_generation)
+            self.counts["sglang_set_generation_unknown"] += 1
+            return False
         c = self.counts
         refused = refusals(c)
         assert self.client is not None, "registered"

@@ -7,6 +7,7 @@ The path under test is SGLang's: device pool -> host pool (backup_from_device_al
 """
 
 import os
+import time
 
 import pytest
 import ray
@@ -321,6 +322,50 @@ def test_engines_that_all_restarted_after_redis_lost_the_counter_never_meet_clea
         ray.kill(ed)
     finally:
         r.close()
+
+
+def test_an_engine_idle_since_a_clear_never_puts_back_the_generation_that_clear_left(sgl_cluster, redis_server):
+    """A writes pages; B reads them; both go idle. A clears (a weight update), and Redis then loses its data: the
+    counter goes, and the nodes register all they hold again, the cleared pages too. Before, B, the first engine
+    to look, put back the generation it knew, the one A cleared, and read its pages (KV of the old weights); so did
+    A, at its next read. An engine idle for longer than `_trust_s` cannot vouch that no clear came meanwhile: B
+    misses until A, which read the counter lately, puts back the current generation."""
+    import redis
+
+    cluster, _ = sgl_cluster
+    _, a, b = cluster.node_ids()
+    model = "tiny-idle@r1"
+    ea, eb = engine_on(a, seed=12, model=model), engine_on(b, seed=13, model=model)
+    assert ray.get([ea.node.remote(), eb.node.remote()], timeout=120) == [a, b]
+    keys = keys_for("doc10", 2)
+    assert ray.get(ea.write.remote(keys, 0), timeout=120)[0] == [True] * 2
+    assert ray.get(eb.call.remote("batch_exists", keys), timeout=60) == 2
+    old = ray.get(eb.call.remote("_refresh_generation", True), timeout=60)
+    gen_key = ray.get(ea.call.remote("_gen_key"), timeout=60)
+    prefix = gen_key.split(":sglang:")[0]
+    old_group = f"{prefix}:g:{{{old.hex()}}}"
+    time.sleep(ray.get(eb.call.remote("_trust_s"), timeout=60) + 0.5)  # (both idle)
+    ray.get(ea.call.remote("clear"), timeout=60)
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        gen = int(r.get(gen_key))
+        assert not r.exists(old_group)  # clear deleted it
+        r.delete(gen_key, f"{prefix}:{{n}}:epoch")  # the directory lost its data: nodes re-join and re-register
+        wait_until(lambda: r.exists(old_group), 20)  # the cleared pages are listed again
+        out = ray.get(eb.read.remote(keys), timeout=60)
+        assert out["exists"] == 0 and out["ok"] == [False, False] and out["counts"]["sglang_generation_unknown"] == 1
+        assert ray.get(eb.write.remote(keys, 0), timeout=60)[0] == [False, False]  # (nor written anywhere)
+        assert r.get(gen_key) is None  # B put nothing back
+        # A read the counter at its clear: it puts back the generation it made, and B follows
+        assert ray.get(ea.call.remote("batch_exists", keys), timeout=60) == 0
+        assert int(r.get(gen_key)) == gen
+        group = ray.get(ea.call.remote("_refresh_generation", True), timeout=60)
+        wait_until(lambda: ray.get(eb.call.remote("_refresh_generation"), timeout=60) == group, 10)
+        assert group != old and ray.get(eb.read.remote(keys), timeout=60)["exists"] == 0
+    finally:
+        r.close()
+        ray.kill(ea)
+        ray.kill(eb)
 
 
 def test_a_dead_holder_node_gives_misses_not_errors(sgl_cluster, engines):

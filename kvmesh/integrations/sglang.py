@@ -586,8 +586,9 @@ class KVMeshStorage(HiCacheStorage):
             gen = int(r.eval(_GEN_AT_LEAST, 1, self._gen_key(), at_least, 1, _gen_start()))
             if old:
                 r.delete(self.client.directory.group_key(old))
-            with self._gen_lock:
+            with self._gen_lock:  # (it wrote the counter: it knows the current generation)
                 self._generation, self._group = gen, generation_group(self._root, gen)
+                self._gen_seen_at, self._gen_lost_at = time.monotonic(), 0.0
             self.counts["sglang_clears"] += 1
         except Exception as e:
             self.counts["sglang_errors_clear"] += 1

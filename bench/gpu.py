@@ -15,6 +15,8 @@
       hit's bit for bit (the same bytes), and both the split recompute's.
   LMCache  P1's paged store and load timed with LMCache 0.5.3's compiled multi_layer_kv_transfer on the same bytes
       and layout (bench/lmcache_side.py): p1_ratio_to_lmcache_store / _load = LMCache time / kvmesh time (>= 1.0).
+  DEVSUM  the device checksum (what every verified GPU-side read runs) over 4 GiB in 32 MiB chunks: the fused
+      Triton kernel vs the torch ops it replaced, each as a ratio to a raw D2D copy of the same bytes, same sums.
   VLLM the vLLM connector's load into GPU blocks (its worker half with real CUDA tensors in vLLM's 5-D and logical
       layouts, a KVNode as a plain object, Llama-3.1-8B shape, 16-token blocks, 2 GiB): vllm_gpu_load_ratio_to_h2d =
       a raw pinned H2D copy of the same bytes / the connector's load, in the same run. Goal >= 0.9 (bench/gpu_vllm.py).
@@ -24,6 +26,7 @@
 Run: python bench/gpu.py            (full)        python bench/gpu.py --quick   (small shapes, e.g. on the CPU)
      python bench/gpu.py --only tier  (P1 + LMCache, G1, P2/P2'/G2: the GPU-tier issue's figures)
      python bench/gpu.py --only vllm  (the vLLM connector's load into GPU blocks)
+     python bench/gpu.py --only devsum  (the device checksum, fused vs torch ops)
      python bench/gpu.py --multi-gpu  (M1, M2 of the multi-GPU node: bench/gpu_multi.py; needs 2 GPUs, else it
                                        writes an error JSON; --multi-gpu-same-device: the same code on cuda:0 alone,
                                        a smoke run)
@@ -424,6 +427,46 @@ def p2(device, shape, prompt_tokens, suffix_tokens, h2d_bps, decode_steps, gpu_t
 
 
 # -- P3 ------------------------------------------------------------------------------------------------------------
+def devsum_figure(device, total_bytes: int, chunk_bytes: int) -> dict:
+    """The device checksum of `total_bytes` in chunks of `chunk_bytes` (as a verified GPU-tier hit of that many
+    chunks runs it): the fused Triton kernel and the torch ops it replaces, each as a ratio to a raw D2D copy of the
+    same bytes in the same run (a copy reads and writes each byte, the fused sum only reads it); the two must give
+    the same sums."""
+    from kvmesh.tiers.devsum import Coefficients, fused_ok
+
+    n = total_bytes // chunk_bytes
+    g = torch.Generator(device=device).manual_seed(7)
+    bufs = [torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, device=device, generator=g) for _ in range(n)]
+    dsts = [torch.empty_like(b) for b in bufs]
+    timer = Timer(device)
+    co = Coefficients()
+
+    def sums():
+        return torch.cat([co.row_sums(b.view(torch.int32).view(1, -1)) for b in bufs])
+
+    def copy():
+        for d, b in zip(dsts, bufs):
+            d.copy_(b)
+
+    out: dict = {"total_bytes": total_bytes, "chunk_bytes": chunk_bytes, "fused_used": fused_ok(device)}
+    t_copy = timer(copy)
+    fused = sums()
+    t_fused = timer(sums)
+    os.environ["KVMESH_DEVICE_CHECKSUM"] = "torch"
+    try:
+        ops = sums()
+        t_ops = timer(sums)
+    finally:
+        del os.environ["KVMESH_DEVICE_CHECKSUM"]
+    out.update({
+        "d2d_copy_gbps": total_bytes / t_copy / 1e9, "fused_gbps": total_bytes / t_fused / 1e9,
+        "torch_ops_gbps": total_bytes / t_ops / 1e9, "fused_ratio_to_d2d_copy": t_copy / t_fused,
+        "torch_ops_ratio_to_d2d_copy": t_copy / t_ops, "fused_speedup_over_torch_ops": t_ops / t_fused,
+        "same_sums": bool(torch.equal(fused, ops)),
+    })
+    return out
+
+
 def p3(device, shapes, lengths, suffix_tokens, h2d_bps, h2d_latency, decode_steps) -> list[dict]:
     rows = []
     for shape in shapes:
@@ -538,7 +581,7 @@ def correctness_fp32(device, shape, lengths, suffix_tokens, decode_steps) -> lis
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shapes (for a CPU smoke run)")
-    p.add_argument("--only", choices=["p1", "p2", "p3", "fp32", "bf16", "g1", "tier", "vllm"],
+    p.add_argument("--only", choices=["p1", "p2", "p3", "fp32", "bf16", "g1", "tier", "vllm", "devsum"],
                    help="tier: P1 with LMCache beside it, G1, and P2/P2'/G2")
     p.add_argument("--multi-gpu", action="store_true",
                    help="M1/M2 only: a GPU tier on cuda:0 read by a worker on cuda:1 (bench/gpu_multi.py)")
@@ -594,6 +637,11 @@ def main() -> None:
             if k in out["p2"]:
                 out[k] = out["p2"][k]
         print("P2", out["p2"], flush=True)
+        checkpoint()
+    if args.only in (None, "devsum", "tier") and device.type == "cuda":
+        out["devsum"] = devsum_figure(device, 64 * MiB if args.quick else 4 * GiB, 4 * MiB if args.quick else 32 * MiB)
+        out["devsum_fused_speedup_over_torch_ops"] = out["devsum"]["fused_speedup_over_torch_ops"]
+        print("DEVSUM", out["devsum"], flush=True)
         checkpoint()
     if args.only in (None, "vllm"):
         from bench.gpu_vllm import vllm_load

@@ -307,6 +307,10 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
         learn = None
+        if first.device.type == "cuda":  # the fused device checksum compiles here, not in the first load's step
+            from kvmesh.tiers.devsum import fused_ok
+
+            fused_ok(first.device)
         if first.device.type == "cpu":
             s = self.spec
             bs = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size  # every group has this geometry

@@ -7,7 +7,9 @@ the GPU for GPU-tier chunks; the same function runs on CPU tensors, bit for bit)
                                                    its CPU-slab chunks, so device sinks verify them on the GPU)
     reference_checksum(data) -> int                pure Python/numpy, the definition (tests compare against it)
     Coefficients                                   a per-(device, words) cache of the constants (owned by a tier or
-                                                   a mapper; no module-level state)
+                                                   a mapper), and `row_sums`, the one place S's terms are summed:
+                                                   by one fused Triton kernel on a GPU where it gives the torch ops'
+                                                   sums (`devsum_triton`), else by the torch ops
     Verify(expected, sums, event).result() -> bool  a `LayerwiseLoad.checks` entry: waits for the sums, compares
     verify_rows_by_layer(flat, rows, expected, events)  S of rows of a device staging tensor, summed layer group
                                                    by layer group as each group's copy lands (a side stream)
@@ -25,8 +27,11 @@ the wrapped products p, p' differ as int32 values. Every other term is unchanged
 p' - p, a non-zero integer. Hence S' != S. (Changes spread over several words are caught with probability about
 1 - 2^-32, like any 32-bit check; a corrupt GPU-tier chunk is one bad DMA or one flipped cell, i.e. one word.)
 
-Cost: one read of the chunk and of the constants, one int32 product written and read back, one int64 reduction:
-about 4 bytes of memory traffic per chunk byte, a few ms for 4 GiB on an H200, on a side stream.
+Cost. With torch ops: one read of the chunk and of the constants, one int32 product written and read back, one
+int64 reduction: about 4 bytes of memory traffic per chunk byte, ~11 ms for 4 GiB on an H200, on a side stream.
+Fused (`devsum_triton`, where Triton is): the chunk is read once, the constants are computed in registers: 1 byte of
+traffic per chunk byte. The fused kernel is used on a device only after it gave the torch ops' sums there on words
+that wrap every way (`fused_ok`, once per process and device); `KVMESH_DEVICE_CHECKSUM=torch` turns it off.
 
 Which checksum is checked where (a GPU-tier chunk may carry both):
 - xxh3-64 (`kvmesh.tiers.checksum`): over host bytes. Computed by the writer of host bytes, verified whenever a
@@ -45,6 +50,9 @@ Which checksum is checked where (a GPU-tier chunk may carry both):
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,6 +61,45 @@ import torch
 from kvmesh.cudart import side_stream
 
 _MUL, _ADD = 0x9E3779B1, 0x632BE5AB
+log = logging.getLogger("kvmesh.devsum")
+_fused_lock = threading.Lock()
+_fused_by_device: dict[torch.device, bool] = {}  # whether the fused kernel gave the torch ops' sums on a device
+
+
+def fused_ok(device: torch.device) -> bool:
+    """Whether S's terms are summed by the fused Triton kernel on `device` (a CUDA device): Triton imports, the
+    kernel compiles, and its sums equal the torch ops' on rows of words that wrap every way, at a start offset
+    (checked once per process and device, here: the first call compiles the kernel, ~1 s, later processes read
+    Triton's cache). Never raises; False leaves the torch ops, which compute the same S."""
+    if device.type != "cuda" or os.environ.get("KVMESH_DEVICE_CHECKSUM", "fused") == "torch":
+        return False
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    with _fused_lock:
+        ok = _fused_by_device.get(device)
+        if ok is None:
+            ok = _fused_by_device[device] = _check_fused(device)
+        return ok
+
+
+def _check_fused(device: torch.device) -> bool:
+    try:
+        from kvmesh.tiers import devsum_triton
+
+        g = torch.Generator(device="cpu").manual_seed(0x5EED)
+        words = torch.randint(-(2**31), 2**31, (3, 3 * devsum_triton.BLOCK + 5), dtype=torch.int64, generator=g)
+        words[0, :4] = torch.tensor([0, -1, -(2**31), 2**31 - 1])
+        words = words.to(torch.int32).to(device)
+        for start, a, b in ((0, 0, words.shape[1]), (7, 1, 1 + devsum_triton.BLOCK), (0, 0, 1), (5, 0, 0)):
+            part = words[:, a:b]
+            c = _constants(start + part.shape[1], device)[start:]
+            want = torch.mul(part, c).sum(dim=1, dtype=torch.int64)
+            if not torch.equal(devsum_triton.row_sums(part, start), want):
+                log.warning("kvmesh: the fused device checksum differs from the torch ops on %s; using those", device)
+                return False
+        return True
+    except Exception as e:  # no Triton, no compiler, a kernel that fails: the torch ops compute the same S
+        log.info("kvmesh: fused device checksum unavailable on %s (%s); using torch ops", device, e)
+        return False
 
 
 def _constants(n: int, device) -> torch.Tensor:
@@ -71,6 +118,17 @@ class Coefficients:
         if c is None or c.numel() < n:
             c = self._by_device[device] = _constants(max(n, 2 * c.numel() if c is not None else 0), device)
         return c[:n]
+
+    def row_sums(self, words: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """For each row of int32 `words` [rows, n], the sum of S's terms int32(w_j * c_(start+j)) over its words,
+        as int64 [rows] on their device (queued on the current stream on CUDA). Rows of one chunk's words summed
+        at their start offsets add up to the chunk's S."""
+        if words.is_cuda and (words.stride(1) == 1 or words.shape[1] <= 1) and fused_ok(words.device):
+            from kvmesh.tiers import devsum_triton
+
+            return devsum_triton.row_sums(words, start)
+        c = self.get(start + words.shape[1], words.device)[start:]
+        return torch.mul(words, c).sum(dim=1, dtype=torch.int64)
 
 
 def _words(buf: torch.Tensor) -> torch.Tensor:
@@ -91,8 +149,7 @@ def device_checksum(buf: torch.Tensor, coefficients: Coefficients | None = None)
     """S (see the module docstring) of `buf`'s bytes, as a 0-d int64 tensor on `buf`'s device. On CUDA the work
     is queued on the current stream; read the value with `int()` (which waits) or compare it on the device."""
     w = _words(buf)
-    c = (coefficients or Coefficients()).get(w.numel(), w.device)
-    return torch.mul(w, c).sum(dtype=torch.int64)
+    return (coefficients or Coefficients()).row_sums(w.view(1, -1))[0]
 
 
 def device_checksums(bufs: Sequence[torch.Tensor], coefficients: Coefficients | None = None) -> torch.Tensor:
@@ -226,13 +283,11 @@ def verify_rows_by_layer(
             groups.append((layer, layer + 1, ev))
     stream = side_stream(device)  # (each group's event is after everything the copies waited for)
     with torch.cuda.stream(stream):
-        c = coefficients.get(flat.shape[1] // 4, device)
         acc = torch.zeros(hi - lo, dtype=torch.int64, device=device)
         for first, end, ev in groups:
             stream.wait_event(ev)
             a, b = first * layer_words, end * layer_words
-            words = span[:, 4 * a : 4 * b].view(torch.int32)
-            acc += torch.mul(words, c[a:b]).sum(dim=1, dtype=torch.int64)
+            acc += coefficients.row_sums(span[:, 4 * a : 4 * b].view(torch.int32), a)
         done = torch.cuda.Event()
         done.record(stream)
     flat.record_stream(stream)  # the caching allocator must not reuse the staging before the sums read it

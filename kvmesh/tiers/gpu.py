@@ -31,7 +31,7 @@ import torch
 
 from kvmesh.cudart import side_stream
 from kvmesh.tiers import TIER_GPU, checksum
-from kvmesh.tiers.devsum import Coefficients, device_checksum
+from kvmesh.tiers.devsum import Coefficients, device_checksum, fused_ok
 from kvmesh.tiers.slots import SlotPool, StoreTicket
 
 
@@ -73,6 +73,8 @@ class GpuTier(SlotPool):
                 self.pools.append(torch.empty(n * slot_bytes, dtype=torch.uint8, device=dev))
         self.pool = self.pools[0] if len(self.pools) == 1 else None  # the one pool of a single-GPU tier
         self.coefficients = Coefficients()
+        for dev in self.devices:  # the fused device checksum compiles at start, not at the first placement
+            fused_ok(dev)
         self._sums: list = [None] * num_slots  # per slot: int, a pending 0-d device tensor, or None (free)
         self._sum_events: list = [None] * num_slots
         self._host_known = [True] * num_slots  # False: the chunk came from a GPU, its xxh3 is computed on demand

@@ -81,6 +81,13 @@ def fused_ok(device: torch.device) -> bool:
         return ok
 
 
+def _disable_fused(device: torch.device, error: Exception) -> None:
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    with _fused_lock:
+        _fused_by_device[device] = False
+    log.warning("kvmesh: the fused device checksum failed on %s (%s); using torch ops", device, error)
+
+
 def _check_fused(device: torch.device) -> bool:
     try:
         from kvmesh.tiers import devsum_triton
@@ -126,7 +133,10 @@ class Coefficients:
         if words.is_cuda and (words.stride(1) == 1 or words.shape[1] <= 1) and fused_ok(words.device):
             from kvmesh.tiers import devsum_triton
 
-            return devsum_triton.row_sums(words, start)
+            try:
+                return devsum_triton.row_sums(words, start)
+            except Exception as e:  # (a kernel that checked out but fails on other shapes: the torch ops from now)
+                _disable_fused(words.device, e)
         c = self.get(start + words.shape[1], words.device)[start:]
         return torch.mul(words, c).sum(dim=1, dtype=torch.int64)
 

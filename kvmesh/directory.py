@@ -79,7 +79,7 @@ import redis
 
 from kvmesh import dirscripts
 from kvmesh.redisconn import DirectoryUnavailable as DirectoryUnavailable  # re-exported: kvmesh.DirectoryUnavailable
-from kvmesh.redisconn import connect, primaries_info
+from kvmesh.redisconn import connect, primaries_config, primaries_info
 from kvmesh.redisconn import probe as probe  # re-exported
 from kvmesh.wire import NodeInfo, WireError
 
@@ -90,6 +90,13 @@ _HOLDER = struct.Struct("<IB")  # incarnation, tier
 MAX_HOLDERS = 8  # per chunk; an entry that lists this many takes no other holder until one leaves
 
 LOAD_VERSION = 1  # a load value's first element
+
+# Redis keeps a hash of up to `hash-max-listpack-entries` fields as one listpack, searched field by field: an HMGET
+# of a prompt's n chunks from a group of m entries then costs O(n x m) instead of O(n). Measured on Redis 7.0.15
+# (`bench/directory.py --only listpack`): at Redis's own default of 512, a 512-chunk lookup took 9x as long as from
+# a hash table, a 256-chunk one 3.7x. kvmesh's servers (the embedded one, Helm's, bare-metal.sh's) set 128: groups
+# beyond it keep a hash table (48 instead of 20 bytes an entry); `encoding_advice` says when a server does not.
+LISTPACK_MAX_ENTRIES = 128
 
 
 def horizon_for(node_refresh_s: float) -> int:
@@ -267,6 +274,32 @@ class Directory:
         server has may lag what nodes registered: they re-join and re-register (`KVNode` compares it every
         heartbeat). The epoch catches only a Redis that came back empty."""
         return ",".join(sorted(str(i["run_id"]) for i in primaries_info(self._redis)))
+
+    def encoding_advice(self) -> str | None:
+        """A warning when the directory's server keeps groups of more than LISTPACK_MAX_ENTRIES chunks as listpacks
+        (Redis's and Valkey's default is 512): each lookup of a long prompt then costs the server O(chunks^2).
+        None when the setting is kvmesh's, or cannot be read (a managed Redis without CONFIG, an ACL user without
+        it)."""
+        try:
+            configs = primaries_config(self._redis, "hash-max-*-entries")
+        except redis.RedisError:
+            return None
+        worst = 0
+        for c in configs:
+            for name in ("hash-max-listpack-entries", "hash-max-ziplist-entries"):
+                try:
+                    worst = max(worst, int(c.get(name, 0)))
+                except (TypeError, ValueError):
+                    pass
+        if worst <= LISTPACK_MAX_ENTRIES:
+            return None
+        return (
+            f"kvmesh: the directory's Redis keeps hashes of up to {worst} fields as listpacks "
+            f"(hash-max-listpack-entries): a lookup of a prompt of more than {LISTPACK_MAX_ENTRIES} chunks then costs "
+            f"the server time that grows with the square of its length (9x at 512 chunks on Redis 7). Start it with "
+            f"--hash-max-ziplist-entries {LISTPACK_MAX_ENTRIES} (or CONFIG SET hash-max-listpack-entries "
+            f"{LISTPACK_MAX_ENTRIES}: a larger group then turns into a hash table at its next registration)"
+        )
 
     def leave(self, lease: Lease) -> bool:
         return bool(

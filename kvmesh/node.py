@@ -66,6 +66,18 @@ from kvmesh.wire import GpuReserved, NodeInfo, PinnedChunk, StoreItem, WireError
 from kvmesh.wire import PullThrough as PullRequest
 
 log = logging.getLogger("kvmesh.node")
+
+
+def _advise(directory: Directory) -> None:
+    """Say once, at the node's start, what in the directory server's settings makes kvmesh slow."""
+    try:
+        advice = directory.encoding_advice()
+    except Exception:  # (a node stopped at once: its directory closed)
+        return
+    if advice:
+        log.warning("%s", advice)
+
+
 # a slab, its table relay, and the relay's temp file (`TableFile.write`: a node killed mid-write leaves it)
 _SLAB_RE = re.compile(r"^kvmesh-(?P<node>[0-9a-f]+)-(?P<pid>\d+)-[0-9a-f]+(\.nodes(\.\d+\.\d+)?)?$")
 PIN_WAIT_S = 1.0  # a pin waits at most this long for chunks it cannot bring into the slab this moment
@@ -192,6 +204,8 @@ class KVNode:
             )
             self.directory = Directory(cfg.redis_url, cfg.key_prefix)
             self.directory.table_horizon_ms = horizon_for(cfg.node_refresh_s)
+            # (off the start: a directory that does not answer yet must not hold the node's start up)
+            threading.Thread(target=_advise, args=(self.directory,), name="kvmesh-advice", daemon=True).start()
             # what pull-throughs keep (hot-prefix replicas) and what they only brought for their readers
             self.replicas = Replicas(
                 self.directory.redis,

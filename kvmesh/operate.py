@@ -200,6 +200,7 @@ def status(redis_url: str | None, key_prefix: str | None, out=print) -> int:
         dash = Dashboard(url, prefix)
         dash._sample()
         s = dash.state()
+        advice = dash.directory.encoding_advice()
         dash.stop()
     except (redis.RedisError, OSError) as e:
         out(f"kvmesh status: no kvmesh directory reachable at {redact_url(url)} ({e})")
@@ -228,6 +229,8 @@ def status(redis_url: str | None, key_prefix: str | None, out=print) -> int:
     )
     if s["misses"]:
         out("misses: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(s["misses"].items())))
+    if advice:
+        out(advice)
     return 0
 
 

@@ -107,6 +107,18 @@ def primaries_info(client, section: str = "server") -> list[dict]:
     return [infos]
 
 
+def primaries_config(client, pattern: str) -> list[dict]:
+    """`CONFIG GET pattern` of each master of a Redis Cluster client, or of the one server of a plain client."""
+    if not hasattr(client, "get_primaries"):
+        return [client.config_get(pattern)]
+    from redis.cluster import RedisCluster
+
+    got = client.config_get(pattern, target_nodes=RedisCluster.PRIMARIES)
+    if isinstance(got, dict) and got and all(isinstance(v, dict) for v in got.values()):
+        return list(got.values())
+    return [got] if isinstance(got, dict) else []
+
+
 def _database(url: str, timeout_s: float) -> tuple[str, str]:
     """(the server's identity: its run id, each master's in Redis Cluster; the database number)."""
     client = connect(url, timeout_s)

@@ -151,6 +151,31 @@ def test_lookup_is_one_command_whatever_the_prompt_length(directory, private_red
     assert lookups.get("cmdstat_hmget") == 1
 
 
+def test_a_server_that_keeps_long_groups_as_listpacks_is_named_and_lookups_stay_exact(directory, private_redis):
+    """Redis's and Valkey's own default keeps hashes of up to 512 fields as listpacks, where each field of an HMGET
+    is found by a linear search: a long prompt's lookup then costs the server O(chunks^2). kvmesh's servers set
+    128; a directory on any other says so (the node logs it at start, `kvmesh status` prints it)."""
+    r = redis.Redis.from_url(private_redis.url)
+    assert directory.encoding_advice() is None  # kvmesh's own setting
+    a = directory.join(info("A"), 10_000)
+    hashes = [i.to_bytes(16, "little") for i in range(300)]
+    key = directory.group_key(G)
+    try:
+        r.config_set("hash-max-ziplist-entries", 512)  # (the name Redis 6.2, 7 and Valkey 8 all know)
+        advice = directory.encoding_advice()
+        assert advice is not None and "512" in advice and "--hash-max-ziplist-entries 128" in advice
+        directory.register(a, TIER_CPU, G, hashes)
+        assert r.object("encoding", key) in (b"listpack", b"ziplist")  # slow, and still exact:
+        assert len(directory.longest_prefix(directory.lookup_raw(G, hashes), directory.node_table())) == 300
+        r.config_set("hash-max-ziplist-entries", 128)
+        assert directory.encoding_advice() is None
+        directory.register(a, TIER_CPU, G, [(300).to_bytes(16, "little")])  # its next registration converts it
+        assert r.object("encoding", key) == b"hashtable"
+        assert len(directory.longest_prefix(directory.lookup_raw(G, hashes), directory.node_table())) == 300
+    finally:
+        r.config_set("hash-max-ziplist-entries", 128)
+
+
 def test_holder_lists_stay_bounded(directory):
     # an entry lists at most 8 holders: a ninth is refused (register says which hashes), never a listed one dropped
     # (a live holder pushed out would never learn it); the refused holder's registrar tries again later

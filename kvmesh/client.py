@@ -217,7 +217,7 @@ class KVMeshClient:
         hashes = chunk_hashes(self.spec.namespace, toks[:limit], self.spec.chunk_tokens, salt)
         counts = self.counts if count else Counter()
         counts["lookups"] += bool(hashes)  # (no full chunk: nothing could be cached, nothing is asked)
-        holders, why = self._prefix(hashes[0] if hashes else b"", hashes)
+        holders, why = self._prefix(hashes[0] if hashes else b"", hashes, chained=True)
         chunks = tuple(ChunkMatch(h, hs) for h, hs in zip(hashes, holders))
         if why != "directory_error":
             self._remember(hashes, len(chunks))
@@ -236,9 +236,12 @@ class KVMeshClient:
             counts["hits"] += 1
         return match
 
-    def _prefix(self, group: bytes, hashes: list[bytes]) -> tuple[list[tuple[Holder, ...]], str | None]:
+    def _prefix(
+        self, group: bytes, hashes: list[bytes], chained: bool = False
+    ) -> tuple[list[tuple[Holder, ...]], str | None]:
         """The directory's longest live prefix of `hashes`, timed; a directory that failed moments ago is not asked
-        (the view's breaker: a fast miss instead of a timeout per call)."""
+        (the view's breaker: a fast miss instead of a timeout per call). `chained`: `hashes` are this client's own
+        chain of a prompt (`chunk_hashes`), whose buckets have summaries; keys an engine names may not chain."""
         if not hashes:
             return [], None
         if not self.view.allow():
@@ -246,7 +249,9 @@ class KVMeshClient:
             return [], "directory_error"
         t0 = time.monotonic()
         try:
-            out = self.directory.lookup(group, hashes, self.view.table(), prefer=self.node_id, newer=self.view.current)
+            out = self.directory.lookup(
+                group, hashes, self.view.table(), prefer=self.node_id, newer=self.view.current, chained=chained
+            )
         except redis.RedisError as e:
             log.debug("lookup failed: %s", e)
             self.counts["directory_errors"] += 1

@@ -20,6 +20,12 @@ Key layout (`P` is the configured key prefix):
     P:g:{<h1 hex>}         hash     chunk hash, first 6 bytes -> 0x02 then (inc u32 LE, tier u8) per holder
     P:o:<inc>              set      the groups incarnation <inc> has entries in: its purge reads only these (a
                                     group leaves it when the node's last chunk of that group does)
+    P:s:{<h1 hex>}         hash     the group's summaries, in a group of at least SUMMARY_MIN entries: `v` -> the
+                                    group's version (a new one at every change of an entry: Redis's clock, us), and
+                                    per summary the field of the chain hash at a bucket's last position -> the
+                                    entry values of that bucket's 64 chunks as they were at `v`, run-length encoded
+                                    (`pack_summary`). Every script that changes an entry deletes them all first;
+                                    one is written (SUMMARIZE) only at the version its entries were read at
 
 All node keys share the hash tag `{n}`, so the node table is read in one round trip and the scripts that change it
 touch one Redis Cluster slot. A prompt's chunks all live in the group of its first chunk's hash h_1 (tag
@@ -49,7 +55,10 @@ Primitives:
                                                      membership version moved since this Directory's last read;
                                                      else the version and the leases that lapse within
                                                      `table_horizon_ms` (O(log n) and a few bytes at any size)
-    lookup(group, hashes, table) -> (holders, why)    read, one round trip: the longest live prefix
+    lookup(group, hashes, table) -> (holders, why)    read, one round trip: the longest live prefix (`chained`:
+                                                     of a prompt's own chain, from its buckets' summaries where
+                                                     they are written; else a second round trip reads every entry
+                                                     and this Directory writes the summaries, off the hot path)
     holders(group, hashes, table) -> [holders]       read, one round trip: every chunk's live holders
     lookup_raw(group, hashes) -> list[bytes | None]  read, one round trip
     report_load(replica_id, node_id, pending, depth, keep_ms)   mutates: a replica's load, stamped with Redis's
@@ -67,10 +76,12 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import queue
 import struct
 import threading
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import msgpack
@@ -97,6 +108,17 @@ LOAD_VERSION = 1  # a load value's first element
 # a hash table, a 256-chunk one 3.7x. kvmesh's servers (the embedded one, Helm's, bare-metal.sh's) set 128: groups
 # beyond it keep a hash table (48 instead of 20 bytes an entry); `encoding_advice` says when a server does not.
 LISTPACK_MAX_ENTRIES = 128
+
+# Summaries (issue 17: a long prompt's lookup in about one GET's time). A summary copies the entries of one bucket
+# of a prompt's chain, positions [64 k, 64 k + 64), run-length encoded, as they were at one version of the group;
+# it is named by the field of the chain hash at the bucket's last position, which names the whole chain up to
+# there. A lookup of a prompt of 512 chunks reads 8 summaries instead of 512 entries.
+SUMMARY_BUCKET = 64
+SUMMARY_MIN = SUMMARY_BUCKET  # a group with fewer entries has no version and no summaries (its lookups are short)
+SUMMARY_VERSION = 1  # a summary's first byte; then (run length u8, value length u8, entry value) per run
+MAX_SUMMARIES = 4096  # per group and version
+SUMMARY_WRITE_S = 1.0  # a client writes a prompt's summaries at most this often
+SUMMARY_SKIP_S = 5.0  # a group whose summaries were cleared within SUMMARY_WRITE_S of being written is read whole
 
 
 def horizon_for(node_refresh_s: float) -> int:
@@ -171,6 +193,55 @@ def fields(hashes: list[bytes]) -> list[bytes]:
     return [h[:FIELD_BYTES] for h in hashes]
 
 
+def _pack_hmget_fields(key: str, names: list[bytes], version: bool = False) -> bytes:
+    """RESP of `HMGET key [v] name...` for FIELD_BYTES-long names (and a group summaries' version field first)."""
+    k = key.encode()
+    head = b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (len(names) + 2 + version, len(k), k)
+    if version:
+        head += b"$1\r\nv\r\n"
+    if not names:
+        return head
+    return head + _ARG_HEAD + _ARG_SEP.join(names) + b"\r\n"
+
+
+_ARG_HEAD = b"$%d\r\n" % FIELD_BYTES
+_ARG_SEP = b"\r\n" + _ARG_HEAD
+
+
+def _runs(values: list[bytes | None]) -> list[tuple[bytes | None, int]]:
+    return [(v, sum(1 for _ in run)) for v, run in itertools.groupby(values)]
+
+
+def pack_summary(values: list[bytes | None]) -> bytes:
+    """One bucket's entry values (None: no entry), run-length encoded (SUMMARY_VERSION)."""
+    parts = [bytes([SUMMARY_VERSION])]
+    for v, run in itertools.groupby(values):
+        n = sum(1 for _ in run)
+        while n:
+            take = min(n, 255)
+            parts.append(bytes([take, len(v or b"")]) + (v or b""))
+            n -= take
+    return b"".join(parts)
+
+
+def unpack_summary(s: bytes) -> list[bytes | None] | None:
+    """A bucket's entry values from its summary; None if it is not one this version reads (or not whole)."""
+    if not s or s[0] != SUMMARY_VERSION:
+        return None
+    out: list[bytes | None] = []
+    i, n = 1, len(s)
+    while i < n:
+        if i + 2 > n:
+            return None
+        count, size = s[i], s[i + 1]
+        i += 2
+        if i + size > n:
+            return None
+        out.extend([s[i : i + size] if size else None] * count)
+        i += size
+    return out if len(out) == SUMMARY_BUCKET else None
+
+
 def pack_hmget(key: str, hashes: list[bytes]) -> bytes:
     """RESP encoding of `HMGET key f1 f2 ...` with the fields of 16-byte chunk hashes, built in one numpy pass:
     packing 512 arguments one by one costs as much as the round trip itself."""
@@ -230,9 +301,25 @@ class Directory:
         self._thread_conns: list = []  # (its thread, by weak reference; connection): closed by close()
         self._conns_lock = threading.Lock()
         self.redirects = 0  # Redis Cluster MOVED/ASK answers followed (a resharding)
+        self._summarize = self._redis.register_script(dirscripts.SUMMARIZE)
+        self._summary_cache: dict[bytes, tuple[list[tuple[bytes | None, int]], bool] | None] = {}
+        # (group, and summary key + a prompt's last bucket name) -> (when, version) this Directory last wrote them
+        self._summarized: dict[bytes, tuple] = {}
+        self._skip_summaries: dict[bytes, float] = {}  # group -> until when its lookups read the entries whole
+        self._summary_q: queue.Queue | None = None  # summaries to write, by a thread of their own
+        self._summary_lock = threading.Lock()
+        self.summary_counts = {"hits": 0, "misses": 0, "written": 0, "refused": 0, "dropped": 0}
+        self.summary_write_s = SUMMARY_WRITE_S
 
     def group_key(self, group: bytes) -> str:
         return f"{self.prefix}:g:{{{group.hex()}}}"
+
+    def summary_key(self, group: bytes) -> str:
+        return f"{self.prefix}:s:{{{group.hex()}}}"
+
+    def _group_keys(self, group: bytes) -> list[str]:
+        """What a group script is given: the group's entries and its summaries (one slot)."""
+        return [self.group_key(group), self.summary_key(group)]
 
     # -- nodes --------------------------------------------------------------------------------------------------
     def join(self, info: NodeInfo, lease_ms: int, last_incarnation: int = 0) -> Lease:
@@ -386,13 +473,13 @@ class Directory:
             return []
         self._note_owned(lease, [group])
         refused = self._register(
-            keys=[self.group_key(group)], args=[lease.incarnation, tier, MAX_HOLDERS, *fields(hashes)]
+            keys=self._group_keys(group), args=[lease.incarnation, tier, MAX_HOLDERS, *fields(hashes), SUMMARY_MIN]
         )
         return [hashes[int(i) - 1] for i in refused or ()]
 
     def unregister(self, lease: Lease, group: bytes, hashes: list[bytes]) -> None:
         if hashes:
-            self._unregister(keys=[self.group_key(group)], args=[lease.incarnation, *fields(hashes)])
+            self._unregister(keys=self._group_keys(group), args=[lease.incarnation, *fields(hashes), SUMMARY_MIN])
 
     def register_many(self, lease: Lease, tier: int, groups: dict[bytes, list[bytes]]) -> dict[bytes, list[bytes]]:
         """Register several groups in one pipelined round trip per Redis server (used on resync). Returns, by group,
@@ -400,32 +487,37 @@ class Directory:
         self._note_owned(lease, list(groups))
         out = self._run_scripts(
             dirscripts.REGISTER,
-            [(self.group_key(g), [lease.incarnation, tier, MAX_HOLDERS, *fields(hs)]) for g, hs in groups.items()],
+            [
+                (self._group_keys(g), [lease.incarnation, tier, MAX_HOLDERS, *fields(hs), SUMMARY_MIN])
+                for g, hs in groups.items()
+            ],
         )
         return {g: [hs[int(i) - 1] for i in r] for (g, hs), r in zip(groups.items(), out) if r}
 
-    def _run_scripts(self, script: str, calls: list[tuple[str, list]]) -> list:
-        """`script` once per (key, args), pipelined: one round trip per server that owns any of the keys (Redis
-        Cluster does not pipeline scripts across slots, so each server gets its own pipeline)."""
+    def _run_scripts(self, script: str, calls: list[tuple[list[str], list]]) -> list:
+        """`script` once per (keys, args), pipelined: one round trip per server that owns any of the keys (Redis
+        Cluster does not pipeline scripts across slots, so each server gets its own pipeline; one call's keys share
+        a slot)."""
         if not self.cluster:
             pipe = self._redis.pipeline(transaction=False)
-            for key, args in calls:
-                pipe.eval(script, 1, key, *args)
+            for keys, args in calls:
+                pipe.eval(script, len(keys), *keys, *args)
             return pipe.execute()
         by_server: dict[str, list[int]] = {}
         nodes = {}
-        for i, (key, _) in enumerate(calls):
-            node = self._redis.get_node_from_key(key)
+        for i, (keys, _) in enumerate(calls):
+            node = self._redis.get_node_from_key(keys[0])
             nodes[node.name] = node
             by_server.setdefault(node.name, []).append(i)
         out: list = [None] * len(calls)
         for name, idx in by_server.items():
             pipe = self._redis.get_redis_connection(nodes[name]).pipeline(transaction=False)
             for i in idx:
-                pipe.eval(script, 1, calls[i][0], *calls[i][1])
+                pipe.eval(script, len(calls[i][0]), *calls[i][0], *calls[i][1])
             for i, r in zip(idx, pipe.execute(raise_on_error=False)):
                 if isinstance(r, Exception) and self._redirected(r):  # (a script runs whole or not at all)
-                    r = self._redis.eval(script, 1, calls[i][0], *calls[i][1])  # follows the redirect
+                    keys, args = calls[i]
+                    r = self._redis.eval(script, len(keys), *keys, *args)  # follows the redirect
                 if isinstance(r, Exception):
                     raise r
                 out[i] = r
@@ -463,7 +555,8 @@ class Directory:
             removed += sum(
                 int(n or 0)
                 for n in self._run_scripts(
-                    dirscripts.PURGE_GROUP, [(self.group_key(g), [incarnation]) for g in groups[i : i + 256]]
+                    dirscripts.PURGE_GROUP,
+                    [(self._group_keys(g), [incarnation, SUMMARY_MIN]) for g in groups[i : i + 256]],
                 )
             )
         self._redis.delete(own)
@@ -574,12 +667,153 @@ class Directory:
         table: NodeTable,
         prefer: str | None = None,
         newer: Callable[[], NodeTable] | None = None,
+        chained: bool = False,
     ) -> tuple[list[tuple[Holder, ...]], str | None]:
         """One round trip: the live holders of each leading chunk of `hashes` (registered in `group`) that has one,
         and why the run ends before `hashes` does ("not_cached", "holder_dead"; None if it does not). What the
         client's lookups call. `newer()`: a table read now, asked (once) when an entry names an incarnation newer
-        than `table` knows, so a node that joined since `table` was read counts as a holder."""
+        than `table` knows, so a node that joined since `table` was read counts as a holder. `chained`: `hashes`
+        is a prompt's chain from its first chunk (`lookup_chained`: its buckets' summaries are read instead)."""
+        if chained:
+            return self._prefix_of_runs(self._chained_runs(group, hashes), table, prefer, newer)
         return self.longest_prefix_why(self.lookup_raw(group, hashes), table, prefer, newer)
+
+    # -- summaries: a long chained prompt's lookup without reading each chunk's entry --------------------------
+    def lookup_chained(self, group: bytes, hashes: list[bytes]) -> list[bytes | None]:
+        """The entries of `hashes` (as `lookup_raw` gives them, up to where the cached prefix can no longer go on),
+        for a chain: `hashes[i]` is the hash of the prompt's chunk i, from its first chunk on, so that a hash names
+        every chunk before it (`hashing.chunk_hashes`). One round trip reads the summaries of the prompt's whole
+        buckets, the first chunk's entry and the entries of the chunks past the last whole bucket. Where a bucket
+        the prefix reaches has no summary, a second reads every entry (the lookup of old) with the group's version,
+        and the summaries of the buckets read are written later, by a thread of this Directory's, if the group is
+        still at that version. What is returned is what the entries said at one version of the group."""
+        return [v for v, count in self._chained_runs(group, hashes) for _ in range(count)]
+
+    def _chained_runs(self, group: bytes, hashes: list[bytes]) -> list[tuple[bytes | None, int]]:
+        """`lookup_chained`'s entries as runs of one value: (value, how many chunks in a row)."""
+        n, b = len(hashes), SUMMARY_BUCKET
+        if n < b:
+            return _runs(self.lookup_raw(group, hashes))
+        gkey, skey = self._group_keys(group)
+        whole = n // b
+        names = [hashes[b * k + b - 1][:FIELD_BYTES] for k in range(whole)]
+        now = time.monotonic()
+        wrote = self._summarized.get(group)  # (when, at which version) this Directory last wrote some of them
+        if self._skip_summaries.get(group, 0.0) <= now:
+            head_fields = fields([hashes[0], *hashes[whole * b :]])
+            sums, head = self._pipelined(
+                gkey,
+                [_pack_hmget_fields(skey, names, version=True), _pack_hmget_fields(gkey, head_fields)],
+                lambda: [self._redis.hmget(skey, [b"v", *names]), self._redis.hmget(gkey, head_fields)],
+            )
+            if head[0] is None:  # (nothing of it is cached)
+                return [(None, 1)]
+            runs: list[tuple[bytes | None, int]] = []
+            for s in sums[1:]:
+                got = self._summary(s)
+                if got is None:
+                    break
+                if runs and runs[-1][0] == got[0][0][0]:  # (a run that goes on across buckets is one run)
+                    runs[-1] = (runs[-1][0], runs[-1][1] + got[0][0][1])
+                    runs.extend(got[0][1:])
+                else:
+                    runs.extend(got[0])
+                if got[1]:  # the cached prefix ends in this bucket
+                    self.summary_counts["hits"] += 1
+                    return runs
+            else:
+                self.summary_counts["hits"] += 1
+                return runs + _runs(head[1:])
+            self.summary_counts["misses"] += 1
+            if wrote is not None and sums[0] != wrote[1] and now - wrote[0] < self.summary_write_s:
+                # (the group changed within a moment of the summaries' writing: it moves too fast for them)
+                self._note(self._skip_summaries, group, now + SUMMARY_SKIP_S)
+        version, values = self._pipelined(
+            gkey,
+            [_pack_hmget_fields(skey, [], version=True), pack_hmget(gkey, hashes)],
+            lambda: [self._redis.hmget(skey, [b"v"]), self._redis.hmget(gkey, fields(hashes))],
+        )
+        v = version[0]
+        end = next((i for i, x in enumerate(values) if x is None), n)
+        upto = min(whole, end // b + 1)  # the buckets the prefix reaches
+        if v is not None and upto:
+            # a prompt's summaries at most once per `summary_write_s`, the same version's again only if they did
+            # not land (branches of one group each have their own)
+            mine = self._summarized.get(skey.encode() + names[upto - 1])
+            if mine is None or now - mine[0] >= (self.summary_write_s if mine[1] != v else 30.0):
+                self._note(self._summarized, skey.encode() + names[upto - 1], (now, v))
+                self._note(self._summarized, group, (now, v))
+                self._write_later(skey, v, [(names[k], pack_summary(values[b * k : b * k + b])) for k in range(upto)])
+        return _runs(values)
+
+    def _summary(self, s: bytes | None) -> tuple[list[tuple[bytes | None, int]], bool] | None:
+        """A summary's entries as runs, and whether one of them is None (decoded once: prompts are looked up
+        again)."""
+        if s is None:
+            return None
+        if s in self._summary_cache:
+            hit = self._summary_cache[s]
+        else:
+            values = unpack_summary(s)
+            hit = None if values is None else (_runs(values), None in values)
+            with self._cache_lock:
+                if len(self._summary_cache) > 4096:
+                    self._summary_cache.clear()
+                self._summary_cache[s] = hit
+        return hit
+
+    @staticmethod
+    def _note(d: dict, group: bytes, value) -> None:
+        if len(d) > 4096:
+            d.clear()
+        d[group] = value
+
+    def _pipelined(self, key: str, packed: list[bytes], fallback: Callable[[], list]) -> list:
+        """Send packed commands (on `key`'s slot) on this thread's connection, one round trip; their replies."""
+        conn = self._thread_connection(key)
+        try:
+            conn.send_packed_command([b"".join(packed)], check_health=False)  # (one write: one segment, one wake)
+            return [conn.read_response() for _ in packed]
+        except redis.exceptions.ResponseError as e:
+            conn.disconnect()  # answers of the other commands may still be queued on it
+            if self._redirected(e):  # a resharding moved the group's slot, or is moving it
+                return fallback()
+            raise
+        except BaseException:
+            conn.disconnect()  # reconnects on the next command
+            raise
+
+    def _write_later(self, skey: str, version: bytes, todo: list[tuple[bytes, bytes]]) -> None:
+        with self._summary_lock:
+            if self._summary_q is None:
+                self._summary_q = queue.Queue(maxsize=256)
+                threading.Thread(target=self._write_summaries, name="kvmesh-summaries", daemon=True).start()
+        try:
+            self._summary_q.put_nowait((skey, version, todo))
+        except queue.Full:
+            self.summary_counts["dropped"] += 1
+
+    def _write_summaries(self) -> None:
+        q = self._summary_q
+        assert q is not None
+        while True:
+            job = q.get()
+            try:
+                if job is None:
+                    return
+                skey, version, todo = job
+                args = [version, MAX_SUMMARIES, *itertools.chain.from_iterable(todo)]
+                ok = self._summarize(keys=[skey], args=args)
+                self.summary_counts["written" if ok else "refused"] += 1
+            except Exception as e:  # a summary not written is a slower lookup, never a wrong one
+                log.debug("kvmesh: writing summaries failed: %s", e)
+            finally:
+                q.task_done()
+
+    def flush_summaries(self) -> None:
+        """Wait until the summaries queued so far are written (tests, benchmarks)."""
+        if self._summary_q is not None:
+            self._summary_q.join()
 
     def holders(
         self,
@@ -616,11 +850,22 @@ class Directory:
         """Holders of each leading chunk that has at least one live holder: the node `prefer` (the caller's own)
         first, then by tier (GPU, CPU, disk). Runs of chunks share one entry value, so each distinct value is
         decoded and filtered once per call."""
+        # (C-level grouping: Python work per run, not per chunk)
+        return self._prefix_of_runs(((v, len(list(run))) for v, run in itertools.groupby(values)), table, prefer, newer)
+
+    def _prefix_of_runs(
+        self,
+        runs: Iterable[tuple[bytes | None, int]],
+        table: NodeTable,
+        prefer: str | None = None,
+        newer: Callable[[], NodeTable] | None = None,
+    ) -> tuple[list[tuple[Holder, ...]], str | None]:
+        """`longest_prefix_why` of entries given as runs (value, how many chunks in a row)."""
         out: list[tuple[Holder, ...]] = []
         memo: dict[bytes, tuple[Holder, ...]] = {}
         why = None  # why it stopped before the end: "not_cached" (no entry) or "holder_dead" (no live holder)
         newest = table.newest() if newer is not None else 0
-        for v, run in itertools.groupby(values):  # C-level grouping: Python work per run, not per chunk
+        for v, count in runs:
             if v is None:
                 why = "not_cached"
                 break
@@ -637,7 +882,7 @@ class Directory:
             if not row:
                 why = "holder_dead"
                 break
-            out.extend([row] * len(list(run)))
+            out.extend([row] * count)
         return out, why
 
     # -- load reports: where serving replicas stand (kvmesh.routing) ----------------------------------------------
@@ -764,6 +1009,11 @@ class Directory:
             assert info.node_id == node.decode(), f"node {node!r} info mismatch"
 
     def close(self) -> None:
+        if self._summary_q is not None:
+            try:
+                self._summary_q.put_nowait(None)
+            except queue.Full:
+                pass
         with self._conns_lock:
             for _, conn in self._thread_conns:
                 conn.disconnect()

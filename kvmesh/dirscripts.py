@@ -7,6 +7,8 @@ as these scripts read and write it must match `kvmesh.directory.HOLDERS_VERSION`
     JOIN          a node joins: new incarnation, lease, info; epoch created if missing; a new membership version
     EXPIRE        end a node incarnation's lease now
     HOLDERS_LUA   the Lua helpers that read and write a holders value (prepended to the group scripts)
+    CHANGED_LUA   a group's entries changed: its summaries go, and it gets a new version (prepended to them too)
+    SUMMARIZE     write a prompt's bucket summaries, if the group is still at the version they were read at
     PURGE_GROUP   drop every entry of one incarnation from one group
     HEARTBEAT     extend a lease ("ok"), or say "resync" / "fenced"
     LEAVE         remove a node if still this incarnation; a new membership version
@@ -92,9 +94,40 @@ local function pack(hs, first)
 end
 """
 
-# KEYS[1] group; ARGV[1] inc: drop every entry of that incarnation from the group.
+# A group's summaries (KEYS[2], `kvmesh.directory`'s docstring) hold copies of its entries as they were at one
+# version of the group: any script that writes or removes an entry's value calls changed(), which deletes them all
+# and, in a group of at least SUMMARY_MIN_ENTRIES entries (ARGV[#ARGV] of every group script), sets a new version:
+# Redis's clock in microseconds, made unlike the one before should two changes share a microsecond. A summary read
+# at a version is written only while the group is still at it (SUMMARIZE), so a summary never lists what the
+# entries no longer say.
+CHANGED_LUA = """
+local function changed(gkey, skey, min)
+  local old = redis.call('HGET', skey, 'v')
+  redis.call('DEL', skey)
+  if redis.call('HLEN', gkey) >= min then
+    local t = redis.call('TIME')
+    local v = t[1] .. '.' .. t[2]
+    if old and string.sub(old, 1, #v) == v then v = old .. '+' end
+    redis.call('HSET', skey, 'v', v)
+  end
+end
+"""
+
+# KEYS[1] summaries; ARGV: the version they were read at, then (name, value) pairs. Written only if the group is
+# still at that version (nothing changed since the entries they copy were read); returns 1 if written. A group's
+# summaries are capped (MAX_SUMMARIES, ARGV[2]): beyond it they wait for the group's next change to clear them.
+SUMMARIZE = """
+if redis.call('HGET', KEYS[1], 'v') ~= ARGV[1] then return 0 end
+if redis.call('HLEN', KEYS[1]) > tonumber(ARGV[2]) then return 0 end
+for i = 3, #ARGV - 1, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+
+# KEYS[1] group, KEYS[2] its summaries; ARGV[1] inc, ARGV[2] SUMMARY_MIN_ENTRIES: drop every entry of that
+# incarnation from the group.
 PURGE_GROUP = (
     HOLDERS_LUA
+    + CHANGED_LUA
     + """
 local inc = tonumber(ARGV[1])
 local n = 0
@@ -110,6 +143,7 @@ for i = 1, #all, 2 do
     if #keep == 0 then redis.call('HDEL', KEYS[1], all[i]) else redis.call('HSET', KEYS[1], all[i], pack(keep, 1)) end
   end
 end
+if n > 0 then changed(KEYS[1], KEYS[2], tonumber(ARGV[2])) end
 return n
 """
 )
@@ -145,49 +179,67 @@ end
 return 0
 """
 
-# KEYS[1] group; ARGV: inc, tier, max holders, hashes... An entry already listing max holders others takes no more:
-# the hashes refused are returned (their 1-based positions), and their writer tries them again later (when a holder
-# has left). Dropping the oldest instead would drop a live holder that never learns it is no longer listed.
+# KEYS[1] group, KEYS[2] its summaries; ARGV: inc, tier, max holders, hashes..., SUMMARY_MIN_ENTRIES. An entry
+# already listing max holders others takes no more: the hashes refused are returned (their 1-based positions), and
+# their writer tries them again later (when a holder has left). Dropping the oldest instead would drop a live holder
+# that never learns it is no longer listed. An entry written again as it was (a resync) is no change.
 REGISTER = (
     HOLDERS_LUA
+    + CHANGED_LUA
     + """
 local inc = tonumber(ARGV[1])
 local tier = tonumber(ARGV[2])
 local maxh = tonumber(ARGV[3])
 local refused = {}
-for i = 4, #ARGV do
+local dirty = false
+for i = 4, #ARGV - 1 do
+  local old = redis.call('HGET', KEYS[1], ARGV[i])
   local hs = {}
-  for _, h in ipairs(holders(redis.call('HGET', KEYS[1], ARGV[i]))) do
+  for _, h in ipairs(holders(old)) do
     if h[1] ~= inc then hs[#hs + 1] = h end
   end
   if #hs >= maxh then
     refused[#refused + 1] = i - 3
   else
     hs[#hs + 1] = {inc, tier}
-    redis.call('HSET', KEYS[1], ARGV[i], pack(hs, 1))
+    local new = pack(hs, 1)
+    if new ~= old then
+      redis.call('HSET', KEYS[1], ARGV[i], new)
+      dirty = true
+    end
   end
 end
+if dirty then changed(KEYS[1], KEYS[2], tonumber(ARGV[#ARGV])) end
 return refused
 """
 )
 
-# KEYS[1] group; ARGV: inc, hashes...
+# KEYS[1] group, KEYS[2] its summaries; ARGV: inc, hashes..., SUMMARY_MIN_ENTRIES
 UNREGISTER = (
     HOLDERS_LUA
+    + CHANGED_LUA
     + """
 local inc = tonumber(ARGV[1])
 local n = 0
-for i = 2, #ARGV do
+local dirty = false
+for i = 2, #ARGV - 1 do
   local v = redis.call('HGET', KEYS[1], ARGV[i])
   if v then
-    local keep = {}
+    local keep, gone = {}, 0
     for _, h in ipairs(holders(v)) do
-      if h[1] ~= inc then keep[#keep + 1] = h else n = n + 1 end
+      if h[1] ~= inc then keep[#keep + 1] = h else gone = gone + 1 end
     end
-    if #keep == 0 then redis.call('HDEL', KEYS[1], ARGV[i])
-    else redis.call('HSET', KEYS[1], ARGV[i], pack(keep, 1)) end
+    n = n + gone
+    if #keep == 0 then
+      redis.call('HDEL', KEYS[1], ARGV[i])
+      dirty = true
+    elseif gone > 0 then
+      redis.call('HSET', KEYS[1], ARGV[i], pack(keep, 1))
+      dirty = true
+    end
   end
 end
+if dirty then changed(KEYS[1], KEYS[2], tonumber(ARGV[#ARGV])) end
 return n
 """
 )

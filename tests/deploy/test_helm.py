@@ -223,8 +223,8 @@ def test_tls_urls_carry_the_mounted_ca(chart, tmp_path, monkeypatch):
     sts = one(docs, "StatefulSet")
     args = sts["spec"]["template"]["spec"]["containers"][0]["args"][0]
     assert "--port 0 --tls-port 6379" in args and "--appendonly yes" in args
-    # long prompts' groups in hash tables: a stock Redis keeps up to 512 fields in a listpack, O(n^2) per lookup
-    assert "--hash-max-ziplist-entries 128" in args
+    # Redis's own default, said explicitly: groups of up to 512 chunks in listpacks (~20 bytes an entry, P6)
+    assert "--hash-max-ziplist-entries 512" in args
     assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "4Gi"
     # external Redis with a CA Secret: the URL gets ssl_ca_certs, the CA is mounted
     docs = chart.template("--set", "redis.enabled=false", "--set", "externalRedis.url=rediss://r.example:6380/1?x=1",

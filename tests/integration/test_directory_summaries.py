@@ -237,3 +237,47 @@ def test_random_stores_evictions_and_deaths_give_what_the_entries_say(d, private
     # (the other client mostly read the summaries this one wrote first)
     assert other.summary_counts["hits"] > 10 * max(1, other.summary_counts["written"])
     other.close()
+
+
+def test_a_read_of_every_entry_costs_the_group_once(d, private_redis):
+    """Where a bucket has no summary the lookup reads every entry: the whole group (HGETALL, one pass) when it is
+    at most twice the prompt, so a listpack-encoded group (up to 512 entries) is not searched once per field; the
+    prompt's fields (HMGET) from a larger one."""
+    r = redis.Redis.from_url(private_redis.url)
+    a = d.join(info("A"), 60_000)
+    d.summary_write_s = 1e9  # (no summaries: every lookup reads the entries)
+    hashes = chain(200, seed=20)
+    d.register(a, TIER_CPU, hashes[0], hashes[:150])
+    assert r.object("encoding", d.group_key(hashes[0])) in (b"listpack", b"ziplist")
+    d.lookup_chained(hashes[0], hashes)  # (writes its summaries once)
+    d.flush_summaries()
+    r.hdel(d.summary_key(hashes[0]), *[hashes[k * B + B - 1][:6] for k in range(3)])
+    r.config_resetstat()
+    values = d.lookup_chained(hashes[0], hashes)
+    stats = r.info("commandstats")
+    assert stats["cmdstat_hgetall"]["calls"] == 1 and stats["cmdstat_hmget"]["calls"] == 3  # + the summaries'
+
+    assert values[:150] == d.lookup_raw(hashes[0], hashes)[:150] and values[150] is None
+    for i in range(3):  # other prompts of the group: it grows past twice this prompt
+        other = chain(150, seed=30 + i)
+        d.register(a, TIER_CPU, hashes[0], other[1:])
+    assert r.hlen(d.group_key(hashes[0])) > 2 * len(hashes)
+    r.config_resetstat()
+    values = d.lookup_chained(hashes[0], hashes)
+    stats = r.info("commandstats")
+    assert "cmdstat_hgetall" not in stats and stats["cmdstat_hmget"]["calls"] == 4
+    assert values[:150] == d.lookup_raw(hashes[0], hashes)[:150] and values[150] is None
+
+
+def test_the_routers_lookup_reads_summaries_too(d):
+    a = d.join(info("A"), 60_000)
+    hashes = chain(300, seed=40)
+    d.register(a, TIER_GPU, hashes[0], hashes[:280])
+    d.report_load("replica-1", "A", 1000, 2, 60_000)
+    table = d.node_table()
+    for _ in range(2):
+        got = d.lookup_with_loads(hashes[0], hashes, table, chained=True)
+        d.flush_summaries()
+    want = d.lookup_with_loads(hashes[0], hashes, table)
+    assert got == want and len(got[0]) == 280 and [x.replica_id for x in got[2]] == ["replica-1"]
+    assert d.summary_counts["hits"] == 1

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from bench.common import median_time, save  # noqa: E402
 from kvmesh import dirscripts  # noqa: E402
 from kvmesh.directory import FIELD_BYTES as FIELD  # noqa: E402
-from kvmesh.directory import Directory, pack_hmget  # noqa: E402
+from kvmesh.directory import SUMMARY_MIN, Directory, pack_hmget  # noqa: E402
 from kvmesh.local import RedisServer, redis_server_binary  # noqa: E402
 from kvmesh.tiers import TIER_CPU  # noqa: E402
 from kvmesh.wire import NodeInfo  # noqa: E402
@@ -126,10 +126,10 @@ def printable_keys(n: int, tag: int) -> list[bytes]:
     return [b"%c%05d" % (65 + tag, i) + bytes(10) for i in range(n)]
 
 
-def redis_benchmark(port: int, args: list[str], requests: int, clients: int) -> float:
+def redis_benchmark(port: int, args: list[str], requests: int, clients: int, options: list[str] = ()) -> float:
     exe = shutil.which("redis-benchmark")
     out = subprocess.run([exe, "-h", "127.0.0.1", "-p", str(port), "-n", str(requests), "-c", str(clients),
-                          "--csv", *args], capture_output=True, text=True, check=True, timeout=600).stdout
+                          "--csv", *options, *args], capture_output=True, text=True, check=True, timeout=600).stdout
     rows = [row for row in csv.reader(io.StringIO(out)) if row and row[0] != "test"]
     return float(rows[-1][1])
 
@@ -313,10 +313,17 @@ def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
                 rows[n] = {"lookups_per_s": rps, "ratio_to_get": rps / get_rps, "chunk_entries_per_s": rps * n}
             # a store's registration: the register script over a request's new chunks (4 here), as a node sends it
             fields = [k[:6].decode() for k in keys[:4]]
-            reg = redis_benchmark(server.port, ["EVALSHA", d._register.sha, "1", key, str(lease.incarnation), "1",
-                                                "8", *fields], 100_000, clients)
+            # (the same 4 entries written again as they are: no change, the summaries stay)
+            reg = redis_benchmark(server.port, ["EVALSHA", d._register.sha, "2", key, d.summary_key(group),
+                                                str(lease.incarnation), "1", "8", *fields, str(SUMMARY_MIN)],
+                                  100_000, clients)
+            # and one that changes the group nearly every time (a random tier of 3: the summaries cleared, a new
+            # version)
+            flip = redis_benchmark(server.port, ["EVALSHA", d._register.sha, "2", key, d.summary_key(group),
+                                                 str(lease.incarnation), "__rand_int__", "8", *fields,
+                                                 str(SUMMARY_MIN)], 100_000, clients, ["-r", "3"])
             out["L"] = {"get_per_s": get_rps, "clients": clients, "by_prompt_chunks": rows,
-                        "register_4_chunks_per_s": reg}
+                        "register_4_chunks_per_s": reg, "register_4_chunks_changing_per_s": flip}
         conn.disconnect()
         r.close()
         d.close()

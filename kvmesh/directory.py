@@ -324,6 +324,7 @@ class Directory:
         self._skip_summaries: dict[bytes, tuple[float, int | None]] = {}
         self._summary_q: queue.Queue | None = None  # summaries to write, by a thread of their own
         self._summary_lock = threading.Lock()
+        self._summary_pid = 0  # the process whose thread writes them
         self.summary_counts = {"hits": 0, "misses": 0, "written": 0, "refused": 0, "dropped": 0}
         self.summary_write_s = SUMMARY_WRITE_S
 
@@ -333,7 +334,7 @@ class Directory:
     def summary_key(self, group: bytes) -> str:
         return f"{self.prefix}:s:{{{group.hex()}}}"
 
-    def _group_keys(self, group: bytes) -> list[str]:
+    def group_keys(self, group: bytes) -> list[str]:
         """What a group script is given: the group's entries and its summaries (one slot)."""
         return [self.group_key(group), self.summary_key(group)]
 
@@ -489,13 +490,13 @@ class Directory:
             return []
         self._note_owned(lease, [group])
         refused = self._register(
-            keys=self._group_keys(group), args=[lease.incarnation, tier, MAX_HOLDERS, *fields(hashes), SUMMARY_MIN]
+            keys=self.group_keys(group), args=[lease.incarnation, tier, MAX_HOLDERS, *fields(hashes), SUMMARY_MIN]
         )
         return [hashes[int(i) - 1] for i in refused or ()]
 
     def unregister(self, lease: Lease, group: bytes, hashes: list[bytes]) -> None:
         if hashes:
-            self._unregister(keys=self._group_keys(group), args=[lease.incarnation, *fields(hashes), SUMMARY_MIN])
+            self._unregister(keys=self.group_keys(group), args=[lease.incarnation, *fields(hashes), SUMMARY_MIN])
 
     def register_many(self, lease: Lease, tier: int, groups: dict[bytes, list[bytes]]) -> dict[bytes, list[bytes]]:
         """Register several groups in one pipelined round trip per Redis server (used on resync). Returns, by group,
@@ -504,7 +505,7 @@ class Directory:
         out = self._run_scripts(
             dirscripts.REGISTER,
             [
-                (self._group_keys(g), [lease.incarnation, tier, MAX_HOLDERS, *fields(hs), SUMMARY_MIN])
+                (self.group_keys(g), [lease.incarnation, tier, MAX_HOLDERS, *fields(hs), SUMMARY_MIN])
                 for g, hs in groups.items()
             ],
         )
@@ -572,7 +573,7 @@ class Directory:
                 int(n or 0)
                 for n in self._run_scripts(
                     dirscripts.PURGE_GROUP,
-                    [(self._group_keys(g), [incarnation, SUMMARY_MIN]) for g in groups[i : i + 256]],
+                    [(self.group_keys(g), [incarnation, SUMMARY_MIN]) for g in groups[i : i + 256]],
                 )
             )
         self._redis.delete(own)
@@ -710,7 +711,7 @@ class Directory:
         n, b = len(hashes), SUMMARY_BUCKET
         if n < b:
             return _runs(self.lookup_raw(group, hashes))
-        gkey, skey = self._group_keys(group)
+        gkey, skey = self.group_keys(group)
         whole = n // b
         names = [hashes[b * k + b - 1][:FIELD_BYTES] for k in range(whole)]
         now = time.monotonic()
@@ -818,17 +819,17 @@ class Directory:
 
     def _write_later(self, skey: str, version: bytes, todo: list[tuple[bytes, bytes]]) -> None:
         with self._summary_lock:
-            if self._summary_q is None:
-                self._summary_q = queue.Queue(maxsize=256)
-                threading.Thread(target=self._write_summaries, name="kvmesh-summaries", daemon=True).start()
+            if self._summary_q is None or self._summary_pid != os.getpid():  # (a forked child has no such thread)
+                self._summary_q, self._summary_pid = queue.Queue(maxsize=256), os.getpid()
+                threading.Thread(
+                    target=self._write_summaries, args=(self._summary_q,), name="kvmesh-summaries", daemon=True
+                ).start()
         try:
             self._summary_q.put_nowait((skey, version, todo))
         except queue.Full:
             self.summary_counts["dropped"] += 1
 
-    def _write_summaries(self) -> None:
-        q = self._summary_q
-        assert q is not None
+    def _write_summaries(self, q: queue.Queue) -> None:
         while True:
             job = q.get()
             try:
@@ -845,7 +846,7 @@ class Directory:
 
     def flush_summaries(self) -> None:
         """Wait until the summaries queued so far are written (tests, benchmarks)."""
-        if self._summary_q is not None:
+        if self._summary_q is not None and self._summary_pid == os.getpid():
             self._summary_q.join()
 
     def holders(

@@ -585,7 +585,7 @@ class KVMeshStorage(HiCacheStorage):
             at_least = self._generation if old else self._generation + _gen_start()
             gen = int(r.eval(_GEN_AT_LEAST, 1, self._gen_key(), at_least, 1, _gen_start()))
             if old:
-                r.delete(self.client.directory.group_key(old))
+                r.delete(*self.client.directory.group_keys(old))  # (its entries and its summaries: one slot)
             with self._gen_lock:  # (it wrote the counter: it knows the current generation)
                 self._generation, self._group = gen, generation_group(self._root, gen)
                 self._gen_seen_at, self._gen_lost_at = time.monotonic(), 0.0

@@ -35,7 +35,6 @@ import numpy as np  # noqa: E402
 
 from bench.common import median_time, save  # noqa: E402
 from kvmesh import dirscripts  # noqa: E402
-from kvmesh.directory import FIELD_BYTES as FIELD  # noqa: E402
 from kvmesh.directory import SUMMARY_MIN, Directory, pack_hmget  # noqa: E402
 from kvmesh.local import RedisServer, redis_server_binary  # noqa: E402
 from kvmesh.tiers import TIER_CPU  # noqa: E402
@@ -134,62 +133,6 @@ def redis_benchmark(port: int, args: list[str], requests: int, clients: int, opt
     return float(rows[-1][1])
 
 
-# KEYS[1] group; ARGV[1] the fields back to back (6 bytes each) -> {value, count, value, count, ...} of the leading
-# run of present fields
-_RLE_LOOKUP = """
-local f = ARGV[1]
-local args = {}
-for i = 1, #f / 6 do args[i] = string.sub(f, i * 6 - 5, i * 6) end
-local vals = redis.call('HMGET', KEYS[1], unpack(args))
-local out, prev, cnt = {}, nil, 0
-for i = 1, #vals do
-  local v = vals[i]
-  if not v then break end
-  if v == prev then cnt = cnt + 1 else
-    if prev then out[#out + 1] = prev; out[#out + 1] = cnt end
-    prev, cnt = v, 1
-  end
-end
-if prev then out[#out + 1] = prev; out[#out + 1] = cnt end
-return out
-"""
-
-# KEYS[1] group; ARGV[1] fields back to back (6 bytes each) -> how many of them are present, one HGET each
-_PROBE_FIELDS = """
-local f, n = ARGV[1], 0
-for i = 1, #f / 6 do if redis.call('HGET', KEYS[1], string.sub(f, i * 6 - 5, i * 6)) then n = n + 1 end end
-return n
-"""
-
-
-def _bucket_layout(r, hashes: list[bytes], per: int = 64):
-    """The proposed bucket layout of one 512-chunk prompt in its own key: (the packed HMGET of its buckets, a
-    function from the reply to how many leading chunks are present, the key's bytes per entry)."""
-    n = len(hashes)
-    fields = np.frombuffer(b"".join(hashes), np.uint8).reshape(n, 16)[:, :FIELD]
-    holder = np.frombuffer(b"\x02" + bytes(5), np.uint8)
-    key = b"bench:buckets:{%s}" % hashes[0].hex().encode()
-    names = [fields[b].tobytes() for b in range(0, n, per)]
-    for b, name in zip(range(0, n, per), names):
-        entries = np.concatenate([fields[b:b + per], np.tile(holder, (len(fields[b:b + per]), 1))], axis=1)
-        r.hset(key, name, entries.tobytes())
-    cmd = b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (len(names) + 2, len(key), key) + b"".join(
-        b"$%d\r\n%s\r\n" % (FIELD, f) for f in names)
-
-    want = fields.tobytes()
-
-    def match(values: list) -> int:
-        if None in values:
-            values = values[:values.index(None)]
-        got = np.frombuffer(b"".join(values), np.uint8).reshape(-1, 2 * FIELD)[:n, :FIELD]
-        if got.tobytes() == want[:len(got) * FIELD]:  # each chunk's own entry at its own position: one compare
-            return len(got)
-        return int((got != fields[:len(got)]).any(axis=1).argmax())
-
-    assert match(r.hmget(key, names)) == n
-    return [cmd], match, r.memory_usage(key, samples=0) / n
-
-
 def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
     from kvmesh.hashing import as_tokens, chunk_hashes
     from kvmesh.spec import KVSpec
@@ -223,25 +166,6 @@ def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
             conn.send_packed_command(cmd, check_health=False)
             return conn.read_response()
 
-        # a route measured, not built (issue 17): a script that reads the same fields and returns the leading
-        # present run, run-length encoded by holder value (the client then filters a handful of values)
-        rle_sha = r.script_load(_RLE_LOOKUP).encode()
-        packed = np.frombuffer(b"".join(hashes), np.uint8).reshape(-1, 16)[:, :6].tobytes()
-        kb = key.encode()
-        rle_cmd = [b"*5\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
-                   % (rle_sha, len(kb), kb, len(packed), packed)]
-        assert raw(rle_cmd)[1] == 512
-        # the floor of a layout whose lookup reads O(log n) fields (a binary search's ~10 probes of 512): a script
-        # that reads 10 of them, one HGET each
-        probe_sha = r.script_load(_PROBE_FIELDS).encode()
-        probe_cmd = [b"*5\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n$%d\r\n%s\r\n$60\r\n%s\r\n"
-                     % (probe_sha, len(kb), kb, packed[:60])]
-        assert raw(probe_cmd) == 10
-        # a layout proposed, not built (docs/scale.md): a group's entries in buckets of 64 chain positions, one field
-        # per bucket named by the chain hash at its first position, its value the bucket's entries back to back
-        # (6-byte field + one 6-byte holder value here); a lookup reads 8 fields and matches its own hashes
-        bucket_cmd, match_buckets, bucket_bytes = _bucket_layout(r, hashes)
-
         # the lookup as the client makes it (Directory.lookup of its own chain: the buckets' summaries, built): warm
         # (the summaries written by the first lookup), for a whole and a partly cached prompt, and cold (a prompt
         # whose summaries are never written: the summaries' read, then every entry's)
@@ -261,14 +185,11 @@ def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
         assert len(cold.lookup(unsummarized[0], unsummarized, table, chained=True)[0]) == 512
         hits0 = d.summary_counts["hits"]
 
-        (get_s, lookup_s, part_s, cold_s, entries_s, h1_s, h512_s, rle_s, probe_s, bucket_s,
-         bucket_lookup_s) = interleaved_medians(
+        get_s, lookup_s, part_s, cold_s, entries_s, h1_s, h512_s = interleaved_medians(
             [raw_get, lambda: d.lookup(hashes[0], hashes, table, chained=True),
              lambda: d.lookup(part[0], part, table, chained=True),
              lambda: cold.lookup(unsummarized[0], unsummarized, table, chained=True),
-             lambda: d.lookup(hashes[0], hashes, table), lambda: raw(hm1),
-             lambda: raw(hm512), lambda: raw(rle_cmd), lambda: raw(probe_cmd), lambda: raw(bucket_cmd),
-             lambda: match_buckets(raw(bucket_cmd))], repeat)
+             lambda: d.lookup(hashes[0], hashes, table), lambda: raw(hm1), lambda: raw(hm512)], repeat)
         assert d.summary_counts["hits"] - hits0 >= 2 * repeat, d.summary_counts  # (every warm lookup was one)
         cold.close()
         out["P5"] = {"get_rtt_us": get_s * 1e6, "lookup_512_us": lookup_s * 1e6, "ratio": lookup_s / get_s,
@@ -280,22 +201,14 @@ def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
                      "per_field_us": (h512_s - h1_s) / 511 * 1e6,
                      "entries_client_side_us": (entries_s - h512_s) * 1e6,
                      "hmget_512_over_get": h512_s / get_s,
-                     "lua_rle_512_us": rle_s * 1e6, "lua_rle_512_over_get": rle_s / get_s,
-                     "lua_10_field_probes_us": probe_s * 1e6, "lua_10_field_probes_over_get": probe_s / get_s,
-                     "proposed_buckets_hmget_8_us": bucket_s * 1e6, "proposed_buckets_hmget_over_get": bucket_s / get_s,
-                     "proposed_buckets_lookup_us": bucket_lookup_s * 1e6,
-                     "proposed_buckets_lookup_over_get": bucket_lookup_s / get_s,
-                     "proposed_buckets_bytes_per_entry": bucket_bytes,
                      "note": "lookup = the client's Directory.lookup of its chain (chained=True): one round "
                              "trip of two pipelined HMGETs (the version and 8 bucket summaries; the first chunk's "
                              "entry), decode, filter the holders; lookup_300_of_512: a prompt cached to chunk 300, "
                              "its 5 summaries; cold: a prompt with no summaries (that read, then every entry's); "
-                             "entries_lookup: the one HMGET of all 512 entries (the lookup before summaries); lua_rle: "
-                             "the same fields read by a script that returns only the leading run, run-length "
-                             "encoded (not built: it costs more than the HMGET it replaces); lua_10_field_probes: "
-                             "a script reading 10 fields by HGET, the server's floor for an O(log n) layout; "
-                             "proposed_buckets: 64 chain positions per field (docs/scale.md), the HMGET of 8 "
-                             "buckets alone and with the client's match of its 512 hashes"}
+                             "entries_lookup: the one HMGET of all 512 entries (the lookup before summaries, here "
+                             "from a listpack, searched once per field); the routes measured before summaries were "
+                             "built (a Lua run-length script, 10-field probes, buckets of positions) are in the "
+                             "result files of 2026-12-06 and before"}
         # lookups per second per shard: redis-benchmark sends the lookup's own HMGET; its GET rate is the baseline
         if shutil.which("redis-benchmark") is None:
             out["L"] = {"error": "no redis-benchmark here: `make redis-tls` installs Debian's redis-server package"}
@@ -305,12 +218,24 @@ def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
             d.register(lease, TIER_CPU, group, keys)
             key = d.group_key(group)
             get_rps = redis_benchmark(server.port, ["GET", "bench:get"], 200_000, clients)
+            # (their summaries, as a client's lookup writes them: the keys here stand for a chain)
+            d.lookup_chained(group, keys)
+            d.flush_summaries()
+            skey = d.summary_key(group)
             rows = {}
             for n in (1, 8, 64, 512):
                 fields = [k[:6].decode() for k in keys[:n]]
                 requests = max(5_000, 200_000 // max(1, n // 8))
-                rps = redis_benchmark(server.port, ["HMGET", key, *fields], requests, clients)
-                rows[n] = {"lookups_per_s": rps, "ratio_to_get": rps / get_rps, "chunk_entries_per_s": rps * n}
+                entries = redis_benchmark(server.port, ["HMGET", key, *fields], requests, clients)
+                if n < 64:  # a prompt shorter than a bucket: its entries
+                    rps = entries
+                else:  # a lookup from summaries: the version and one summary per bucket, then the first entry
+                    names = [keys[b + 63][:6].decode() for b in range(0, n, 64)]
+                    a = redis_benchmark(server.port, ["HMGET", skey, "v", *names], 100_000, clients)
+                    b = redis_benchmark(server.port, ["HMGET", key, fields[0]], 100_000, clients)
+                    rps = 1 / (1 / a + 1 / b)  # (the server's time for the two commands adds up)
+                rows[n] = {"lookups_per_s": rps, "ratio_to_get": rps / get_rps, "chunk_entries_per_s": rps * n,
+                           "every_entry_hmget_per_s": entries}
             # a store's registration: the register script over a request's new chunks (4 here), as a node sends it
             fields = [k[:6].decode() for k in keys[:4]]
             # (the same 4 entries written again as they are: no change, the summaries stay)

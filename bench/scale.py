@@ -77,7 +77,7 @@ def interpolate(by_chunks: dict, n: float) -> float:
 
 
 def latest_directory_results() -> str:
-    files = sorted(glob.glob(str(RESULTS / "directory-*.json")))
+    files = sorted(glob.glob(str(RESULTS / "directory-2*.json")))  # (not directory-listpack-*)
     if not files:
         raise SystemExit("no bench/results/directory-*.json: run bench/directory.py first")
     return files[-1]
@@ -120,7 +120,8 @@ def size(a, d: dict) -> dict:
                       "hottest_group_vs_shard": hottest * rate / cap, "by_shards": rows}
 
     # -- writes: each request's new chunks are registered in one script call, and unregistered in one when evicted
-    reg_cap = server["L"]["register_4_chunks_per_s"] * a.core_speedup  # calls/s, 4 chunks each, measured
+    # calls/s, 4 chunks each, measured: registers that change the group (each clears its summaries), where measured
+    reg_cap = server["L"].get("register_4_chunks_changing_per_s", server["L"]["register_4_chunks_per_s"]) * a.core_speedup
     calls = rate * 2 * max(1.0, a.new_chunks_per_request / 4)
     out["writes"] = {"script_calls_per_s": calls, "entries_per_s": rate * a.new_chunks_per_request * 2,
                      "measured_calls_per_s_per_shard": reg_cap,
@@ -133,7 +134,8 @@ def size(a, d: dict) -> dict:
     scale_nodes = 1000 / a.nodes  # the measured table had 1,000 nodes; a read's cost grows with the node count
     table_reads_cap = node["node_table_reads_per_s"] * scale_nodes * a.core_speedup
     hb_util = hb / (node["heartbeats_per_s"] * a.core_speedup) + 2 * hb / (node["get_per_s"] * a.core_speedup)
-    lapsed_cap = node["proposed_lapsed_reads_per_s"] * a.core_speedup
+    # (a gated read: the leases that lapse soon, the rows only on a membership change; named so since 2026-12-05)
+    lapsed_cap = node.get("node_table_gated_reads_per_s", node.get("proposed_lapsed_reads_per_s")) * a.core_speedup
 
     def proposed(n_readers: float) -> float:  # "which leases lapsed?" each refresh; the table on changes only
         return (n_readers / a.node_refresh_s / lapsed_cap

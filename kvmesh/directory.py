@@ -327,6 +327,7 @@ class Directory:
         self._summary_pid = 0  # the process whose thread writes them
         self.summary_counts = {"hits": 0, "misses": 0, "written": 0, "refused": 0, "dropped": 0}
         self.summary_write_s = SUMMARY_WRITE_S
+        self.summaries_off = False  # (a client whose ACL user may not write them reads every entry, in one trip)
 
     def group_key(self, group: bytes) -> str:
         return f"{self.prefix}:g:{{{group.hex()}}}"
@@ -709,7 +710,7 @@ class Directory:
     def _chained_runs(self, group: bytes, hashes: list[bytes]) -> list[tuple[bytes | None, int]]:
         """`lookup_chained`'s entries as runs of one value: (value, how many chunks in a row)."""
         n, b = len(hashes), SUMMARY_BUCKET
-        if n < b:
+        if n < b or self.summaries_off:
             return _runs(self.lookup_raw(group, hashes))
         gkey, skey = self.group_keys(group)
         whole = n // b
@@ -839,6 +840,11 @@ class Directory:
                 args = [version, MAX_SUMMARIES, *itertools.chain.from_iterable(todo)]
                 ok = self._summarize(keys=[skey], args=args)
                 self.summary_counts["written" if ok else "refused"] += 1
+            except redis.exceptions.NoPermissionError as e:  # an ACL user that may only read: never again
+                self.summaries_off = True
+                log.info(
+                    "kvmesh: this client may not write the directory's summaries (%s): long lookups read every entry", e
+                )
             except Exception as e:  # a summary not written is a slower lookup, never a wrong one
                 log.debug("kvmesh: writing summaries failed: %s", e)
             finally:

@@ -281,3 +281,25 @@ def test_the_routers_lookup_reads_summaries_too(d):
     want = d.lookup_with_loads(hashes[0], hashes, table)
     assert got == want and len(got[0]) == 280 and [x.replica_id for x in got[2]] == ["replica-1"]
     assert d.summary_counts["hits"] == 1
+
+
+def test_a_client_that_may_only_read_reads_every_entry(d, private_redis):
+    """An engine's ACL user without the right to write gets exact lookups, from every entry (one round trip, no
+    summaries tried again)."""
+    a = d.join(info("A"), 60_000)
+    hashes = chain(200, seed=50)
+    d.register(a, TIER_CPU, hashes[0], hashes[:170])
+    r = redis.Redis.from_url(private_redis.url)
+    r.execute_command("ACL", "SETUSER", "reader", "on", ">rpw", "~*", "&*", "+@read")
+    port = redis.Redis.from_url(private_redis.url).connection_pool.connection_kwargs["port"]
+    reader = Directory(f"redis://reader:rpw@127.0.0.1:{port}/0", prefix="t")
+    try:
+        for _ in range(3):
+            values = reader.lookup_chained(hashes[0], hashes)
+            reader.flush_summaries()
+            assert values[:171] == d.lookup_raw(hashes[0], hashes)[:171] and values[170] is None
+        assert reader.summaries_off and reader.summary_counts["written"] == 0
+        assert not r.hget(d.summary_key(hashes[0]), hashes[B - 1][:6])
+    finally:
+        reader.close()
+        r.execute_command("ACL", "DELUSER", "reader")

@@ -32,9 +32,9 @@ touch one Redis Cluster slot. A prompt's chunks all live in the group of its fir
 `{<h1 hex>}`): one lookup is one HMGET on one slot, while prompts with different first chunks spread over slots.
 Fields are the first 6 bytes of a chunk hash: within one group (one tenant, one first chunk) a collision is a
 2^-48 event per pair of chunks, and even then it only makes a lookup name a holder that, asked by the full hash,
-does not have the chunk (the fetch is shorter, never wrong). Values are 1 + 5 bytes per holder. Six-byte fields
-and six-byte values are what puts one (chunk, holder) entry at ~57 bytes of Redis memory (jemalloc): Redis's
-allocations for a hash entry jump a size class above that (bench/directory.py, P6).
+does not have the chunk (the fetch is shorter, never wrong). Values are 1 + 5 bytes per holder. A group of up to
+512 entries is a listpack (LISTPACK_MAX_ENTRIES): ~20 bytes per (chunk, holder) entry on Redis 7 with jemalloc,
+~50 in the hash table of a larger group (bench/directory.py, P6).
 
 Holder entries name an incarnation, never just a node. An entry is live only while its incarnation is the node's
 current one and that node's lease deadline has not passed; readers drop everything else, so entries of dead or

@@ -663,6 +663,8 @@ class KVMeshClient:
         held = self._held(group, keys, seen)
         todo = [i for i in range(len(keys)) if not held[i]]
         handed = self.stores.submit(group, [keys[i] for i in todo], [chunk(i) for i in todo], snapshot, mine)
+        if handed:
+            self.directory.touched(group)
         self.last_store = StoreResult(
             handed, len(keys) - len(todo), len(todo) - handed, self.stores.refused if handed < len(todo) else ""
         )

@@ -328,6 +328,8 @@ class Directory:
         self.summary_counts = {"hits": 0, "misses": 0, "written": 0, "refused": 0, "dropped": 0}
         self.summary_write_s = SUMMARY_WRITE_S
         self.summaries_off = False  # (a client whose ACL user may not write them reads every entry, in one trip)
+        self._touched: set[bytes] = set()  # groups stored into through this Directory since their last lookup
+        self._sizes: dict[bytes, int | None] = {}  # group -> its number of entries when last read whole
 
     def group_key(self, group: bytes) -> str:
         return f"{self.prefix}:g:{{{group.hex()}}}"
@@ -718,6 +720,9 @@ class Directory:
         now = time.monotonic()
         wrote = self._summarized.get(group)  # (when, at which version) this Directory last wrote some of them
         skip_until, size = self._skip_summaries.get(group, (0.0, None))
+        if group in self._touched:  # this process stored into the group since: its summaries are gone
+            self._touched.discard(group)
+            skip_until, size = now + 1.0, self._sizes.get(group)
         if skip_until <= now:
             head_fields = fields([hashes[0], *hashes[whole * b :]])
             sums, head = self._pipelined(
@@ -769,6 +774,7 @@ class Directory:
         else:
             values = got
         v = version[0]
+        self._note(self._sizes, group, _entries_of_version(v))
         end = next((i for i, x in enumerate(values) if x is None), n)
         upto = min(whole, end // b + 1)  # the buckets the prefix reaches
         if v is not None and upto:
@@ -780,6 +786,13 @@ class Directory:
                 self._note(self._summarized, group, (now, v))
                 self._write_later(skey, v, [(names[k], pack_summary(values[b * k : b * k + b])) for k in range(upto)])
         return _runs(values)
+
+    def touched(self, group: bytes) -> None:
+        """A store into `group` is on its way (its registration clears the group's summaries): the next lookup of
+        the group reads its entries at once, without asking for summaries first (a conversation's next turn)."""
+        if len(self._touched) > 4096:
+            self._touched.clear()
+        self._touched.add(group)
 
     def _summary(self, s: bytes | None) -> tuple[list[tuple[bytes | None, int]], bool] | None:
         """A summary's entries as runs, and whether one of them is None (decoded once: prompts are looked up

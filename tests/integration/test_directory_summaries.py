@@ -303,3 +303,24 @@ def test_a_client_that_may_only_read_reads_every_entry(d, private_redis):
     finally:
         reader.close()
         r.execute_command("ACL", "DELUSER", "reader")
+
+
+def test_after_its_own_store_a_client_reads_the_entries_at_once(d, private_redis):
+    """A conversation's next turn: the client stored the previous turn's new chunks into the group, whose summaries
+    that cleared, so its next lookup asks for the entries at once (one round trip, as before summaries)."""
+    r = redis.Redis.from_url(private_redis.url)
+    a = d.join(info("A"), 60_000)
+    d.summary_write_s = 0.0  # (turns a second apart or more: each may write its prompt's summaries)
+    hashes = chain(200, seed=60)
+    d.register(a, TIER_CPU, hashes[0], hashes[:130])
+    assert len(settled(d, hashes)[0][0]) == 130
+    d.touched(hashes[0])  # (what the client's store says)
+    d.register(a, TIER_CPU, hashes[0], hashes[130:170])  # the store lands
+    r.config_resetstat()
+    values = d.lookup_chained(hashes[0], hashes)
+    stats = r.info("commandstats")
+    assert stats["cmdstat_hmget"]["calls"] == 1 and stats["cmdstat_hgetall"]["calls"] == 1  # version; the group
+    assert values[:171] == d.lookup_raw(hashes[0], hashes)[:171] and values[170] is None
+    d.flush_summaries()
+    got, want = both(d, hashes)  # and the summaries it wrote serve the turn after
+    assert got == want and len(got[0]) == 170 and d.summary_counts["hits"] == 2

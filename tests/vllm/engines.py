@@ -87,15 +87,18 @@ class Engine:
                        enforce_eager=True, disable_log_stats=False, kv_cache_memory_bytes=64 << 20, seed=0, **kw)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8, recompute: bool = False,
-                 cache_salt: str | None = None) -> list[dict]:
-        """Greedy outputs; `recompute` bypasses every prefix cache (vLLM's own and kvmesh)."""
+                 cache_salt: str | None = None, logprobs: int | None = None) -> list[dict]:
+        """Greedy outputs; `recompute` bypasses every prefix cache (vLLM's own and kvmesh). `logprobs`: each step's
+        best `logprobs` tokens too (`"logprobs"`: per step, [(token, logprob)] best first)."""
         from vllm import SamplingParams
 
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
-                            skip_reading_prefix_cache=True if recompute else None)
+                            skip_reading_prefix_cache=True if recompute else None, logprobs=logprobs)
         salt = {"cache_salt": cache_salt} if cache_salt else {}
         outs = self.llm.generate([{"prompt_token_ids": p, **salt} for p in prompts], sp, use_tqdm=False)
-        return [{"ids": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outs]
+        return [{"ids": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
+                 **({"logprobs": [sorted(((t, x.logprob) for t, x in e.items()), key=lambda tx: -tx[1])
+                                  for e in o.outputs[0].logprobs]} if logprobs else {})} for o in outs]
 
     def run(self, prompts: list[list[int]], sampling: dict, abort_after: dict[int, int] | None = None,
             cache_salt: str | None = None) -> list[dict | None]:
@@ -204,3 +207,36 @@ def corrupt_in_slab(node_id: str, key: bytes, slot_bytes: int) -> None:
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x40]))
+
+
+# Two computations of the same KV in bfloat16 agree to a few ulps, not to the bit: the kernels of one CPU may round
+# a prompt's KV differently with its length or batch (those of this machine on 2026-12-07 did; earlier ones did
+# not). A greedy step whose two best tokens lie closer than that can go either way.
+LOGPROB_TOL = 0.05
+
+
+def close_logprobs(a, b, tol: float = LOGPROB_TOL) -> bool:
+    """Two lists of [(token, logprob)] per position (None where a position has none), as `Engine.run` gives them:
+    the same tokens at every position, their logprobs within `tol`."""
+    if a is None or b is None:
+        return a is b
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            if x is not y:
+                return False
+        elif [t for t, _ in x] != [t for t, _ in y] or any(abs(p - q) > tol for (_, p), (_, q) in zip(x, y)):
+            return False
+    return True
+
+
+def greedy_agrees(ids: list[int], ref: dict, tol: float = LOGPROB_TOL) -> bool:
+    """`ids` are the reference's greedy tokens (`ref` from `generate(..., logprobs=2)`), or the same up to a step
+    where the reference's two best tokens were within `tol` of each other and `ids` took the other one: a near-tie
+    that a few ulps decide, not another prefix's KV (which changes the first tokens, and by far more)."""
+    for k, (t, want) in enumerate(zip(ids, ref["ids"])):
+        if t != want:
+            best = ref["logprobs"][k]
+            return len(best) >= 2 and best[0][1] - best[1][1] <= tol and t == best[1][0]
+    return len(ids) == len(ref["ids"])

@@ -27,7 +27,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tests.conftest import reachable, wait_until
-from tests.vllm.engines import REPO, engine_env, make_model, tokens
+from tests.vllm.engines import REPO, engine_env, greedy_agrees, make_model, tokens
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -389,10 +389,12 @@ def test_a_hybrid_prompt_extending_a_cached_prefix_loads_it_through_the_tier(off
     before = ray.get(b.prompt_tokens_by_source.remote())
     out = ray.get(b.generate.remote([pb]), timeout=300)
     src = delta(ray.get(b.prompt_tokens_by_source.remote()), before)
-    ref = ray.get(b.generate.remote([pb], recompute=True), timeout=300)
+    ref = ray.get(b.generate.remote([pb], recompute=True, logprobs=2), timeout=300)
     print(f"\nB, a prompt extending A's prefix: tokens by source {src}, cached {out[0]['cached']}, "
-          f"tier {ray.get(b.tier_counts.remote())}")
-    assert out[0]["ids"] == ref[0]["ids"]
+          f"tier {ray.get(b.tier_counts.remote())}, ids {out[0]['ids']}, recomputed {ref[0]['ids']}")
+    # (A computed the prefix's KV in a prompt of another length: bfloat16 kernels may round it a few ulps apart
+    # from B's recompute, which can turn a near-tie of the greedy choice; never the first tokens)
+    assert greedy_agrees(out[0]["ids"], ref[0])
     assert src.get("external_kv_transfer", 0) == 1024 and out[0]["cached"] == 1024
 
 

@@ -210,6 +210,9 @@ _ARG_HEAD = b"$%d\r\n" % FIELD_BYTES
 _ARG_SEP = b"\r\n" + _ARG_HEAD
 
 
+_MULTI, _EXEC = b"*1\r\n$5\r\nMULTI\r\n", b"*1\r\n$4\r\nEXEC\r\n"
+
+
 def _pack_hgetall(key: str) -> bytes:
     k = key.encode()
     return b"*2\r\n$7\r\nHGETALL\r\n$%d\r\n%s\r\n" % (len(k), k)
@@ -725,11 +728,22 @@ class Directory:
             skip_until, size = now + 1.0, self._sizes.get(group)
         if skip_until <= now:
             head_fields = fields([hashes[0], *hashes[whole * b :]])
-            sums, head = self._pipelined(
-                gkey,
-                [_pack_hmget_fields(skey, names, version=True), _pack_hmget_fields(gkey, head_fields)],
-                lambda: [self._redis.hmget(skey, [b"v", *names]), self._redis.hmget(gkey, head_fields)],
-            )
+            # (in one transaction: the summaries and the entries past them as of one moment, never a mix of two)
+            try:
+                _, _, _, (sums, head) = self._pipelined(
+                    gkey,
+                    [
+                        _MULTI,
+                        _pack_hmget_fields(skey, names, version=True),
+                        _pack_hmget_fields(gkey, head_fields),
+                        _EXEC,
+                    ],
+                    lambda: [None, None, None, self._summaries_and_head(skey, names, gkey, head_fields)],
+                )
+            except redis.exceptions.NoPermissionError as e:  # an ACL user without transactions: as before summaries
+                self.summaries_off = True
+                log.info("kvmesh: this client may not read the directory's summaries (%s): lookups read every entry", e)
+                return _runs(self.lookup_raw(group, hashes))
             if head[0] is None:  # (nothing of it is cached)
                 return [(None, 1)]
             runs: list[tuple[bytes | None, int]] = []
@@ -793,6 +807,12 @@ class Directory:
         if len(self._touched) > 4096:
             self._touched.clear()
         self._touched.add(group)
+
+    def _summaries_and_head(self, skey: str, names: list[bytes], gkey: str, head_fields: list[bytes]) -> list:
+        """The first read of `_chained_runs` through the cluster client (a resharding moved the group's slot)."""
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hmget(skey, [b"v", *names]).hmget(gkey, head_fields)
+        return pipe.execute()
 
     def _summary(self, s: bytes | None) -> tuple[list[tuple[bytes | None, int]], bool] | None:
         """A summary's entries as runs, and whether one of them is None (decoded once: prompts are looked up

@@ -705,8 +705,8 @@ class Directory:
     def lookup_chained(self, group: bytes, hashes: list[bytes]) -> list[bytes | None]:
         """The entries of `hashes` (as `lookup_raw` gives them, up to where the cached prefix can no longer go on),
         for a chain: `hashes[i]` is the hash of the prompt's chunk i, from its first chunk on, so that a hash names
-        every chunk before it (`hashing.chunk_hashes`). One round trip reads the summaries of the prompt's whole
-        buckets, the first chunk's entry and the entries of the chunks past the last whole bucket. Where a bucket
+        every chunk before it (`hashing.chunk_hashes`). One round trip (one transaction) reads the summaries of the
+        prompt's whole buckets, the first chunk's entry and the entries past the last whole bucket. Where a bucket
         the prefix reaches has no summary, a second reads every entry (the lookup of old) with the group's version,
         and the summaries of the buckets read are written later, by a thread of this Directory's, if the group is
         still at that version. What is returned is what the entries said at one version of the group."""

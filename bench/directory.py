@@ -60,6 +60,19 @@ def used_memory(r) -> int:
     return int(r.info("memory")["used_memory"])
 
 
+def get_baseline(r):
+    """A connection of its own and a GET of a 16-byte value sent on it, raw: every ratio's baseline."""
+    r.set("bench:get", b"x" * 16)
+    conn = r.connection_pool.make_connection()
+    cmd = [b"*2\r\n$3\r\nGET\r\n$9\r\nbench:get\r\n"]
+
+    def raw_get():
+        conn.send_packed_command(cmd, check_health=False)
+        return conn.read_response()
+
+    return conn, raw_get
+
+
 def interleaved_medians(fns, repeat: int, warmup: int = 50) -> list[float]:
     """Median seconds of each of `fns`, timed in turn within each round: a ratio of two of them is then measured
     under the same load (this machine is shared), not in two different moments."""
@@ -147,14 +160,7 @@ def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
         hashes = chunk_hashes(spec.namespace, as_tokens(toks), 256)
         d.register(lease, TIER_CPU, hashes[0], hashes)
         r = server.connect()
-        r.set("bench:get", b"x" * 16)
-        conn = r.connection_pool.make_connection()
-        get_cmd = [b"*2\r\n$3\r\nGET\r\n$9\r\nbench:get\r\n"]
-
-        def raw_get():
-            conn.send_packed_command(get_cmd, check_health=False)
-            return conn.read_response()
-
+        conn, raw_get = get_baseline(r)
         assert raw_get() == b"x" * 16
         table = d.node_table()
         assert len(d.longest_prefix(d.lookup_raw(hashes[0], hashes), table)) == 512
@@ -273,14 +279,7 @@ def listpack_figures(binary: str, repeat: int) -> dict:
         cold._write_later = lambda *a: None  # (this reader never writes summaries)
         lease = d.join(node_info(0), 3_600_000)
         table = d.node_table()
-        r.set("bench:get", b"x" * 16)
-        conn = r.connection_pool.make_connection()
-        get_cmd = [b"*2\r\n$3\r\nGET\r\n$9\r\nbench:get\r\n"]
-
-        def raw_get():
-            conn.send_packed_command(get_cmd, check_health=False)
-            return conn.read_response()
-
+        conn, raw_get = get_baseline(r)
         fns, names = [raw_get], ["get"]
         seed = 0
         for n in (128, 256, 512):

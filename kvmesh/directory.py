@@ -323,8 +323,7 @@ class Directory:
         self._summary_cache: dict[bytes, tuple[list[tuple[bytes | None, int]], bool] | None] = {}
         # (group, and summary key + a prompt's last bucket name) -> (when, version) this Directory last wrote them
         self._summarized: dict[bytes, tuple] = {}
-        # group -> (until when its lookups read every entry, its number of entries then)
-        self._skip_summaries: dict[bytes, tuple[float, int | None]] = {}
+        self._skip_summaries: dict[bytes, float] = {}  # group -> until when its lookups read every entry
         self._summary_q: queue.Queue | None = None  # summaries to write, by a thread of their own
         self._summary_lock = threading.Lock()
         self._summary_pid = 0  # the process whose thread writes them
@@ -332,7 +331,7 @@ class Directory:
         self.summary_write_s = SUMMARY_WRITE_S
         self.summaries_off = False  # (a client whose ACL user may not write them reads every entry, in one trip)
         self._touched: set[bytes] = set()  # groups stored into through this Directory since their last lookup
-        self._sizes: dict[bytes, int | None] = {}  # group -> its number of entries when last read whole
+        self._sizes: dict[bytes, int | None] = {}  # group -> its number of entries, as its version last said
 
     def group_key(self, group: bytes) -> str:
         return f"{self.prefix}:g:{{{group.hex()}}}"
@@ -722,11 +721,9 @@ class Directory:
         names = [hashes[b * k + b - 1][:FIELD_BYTES] for k in range(whole)]
         now = time.monotonic()
         wrote = self._summarized.get(group)  # (when, at which version) this Directory last wrote some of them
-        skip_until, size = self._skip_summaries.get(group, (0.0, None))
-        if group in self._touched:  # this process stored into the group since: its summaries are gone
-            self._touched.discard(group)
-            skip_until, size = now + 1.0, self._sizes.get(group)
-        if skip_until <= now:
+        stored = group in self._touched  # this process stored into the group since: its summaries are gone
+        self._touched.discard(group)
+        if not stored and self._skip_summaries.get(group, 0.0) <= now:
             head_fields = fields([hashes[0], *hashes[whole * b :]])
             # (in one transaction: the summaries and the entries past them as of one moment, never a mix of two)
             try:
@@ -763,13 +760,14 @@ class Directory:
                 self.summary_counts["hits"] += 1
                 return runs + _runs(head[1:])
             self.summary_counts["misses"] += 1
-            size = _entries_of_version(sums[0])
+            self._note(self._sizes, group, _entries_of_version(sums[0]))
             if wrote is not None and sums[0] != wrote[1] and now - wrote[0] < self.summary_write_s:
                 # (the group changed within a moment of the summaries' writing: it moves too fast for them)
-                self._note(self._skip_summaries, group, (now + SUMMARY_SKIP_S, size))
+                self._note(self._skip_summaries, group, now + SUMMARY_SKIP_S)
         # every entry: HGETALL of a group that is a listpack (at most LISTPACK_MAX_ENTRIES entries) and at most
         # twice the prompt (O(entries), where an HMGET searches a listpack once per field), else the HMGET of the
         # prompt's fields (a hash table's: less for the client to decode)
+        size = self._sizes.get(group)  # (as of the last read of its version)
         whole_group = size is not None and size <= min(2 * n, LISTPACK_MAX_ENTRIES)
         version, got = self._pipelined(
             gkey,

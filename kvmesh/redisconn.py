@@ -92,31 +92,31 @@ def same_directory(a: str, b: str) -> bool:
         return a == b
 
 
-def primaries_info(client, section: str = "server") -> list[dict]:
-    """`INFO section` of each master of a Redis Cluster client (redis-py folds a one-master cluster's answer into
-    the bare info dict, not {node: info}), or of the one server of a plain client."""
+def _per_primary(client, command: str, arg: str) -> list[dict]:
+    """`command arg` (a method of redis-py's client that answers a dict) on each master of a Redis Cluster client
+    (redis-py folds a one-master cluster's answer into the bare dict, not {node: dict}), or on the one server of a
+    plain client."""
+    call = getattr(client, command)
     if not hasattr(client, "get_primaries"):
-        return [client.info(section)]
+        return [call(arg)]
     from redis.cluster import RedisCluster
 
-    infos = client.info(section, target_nodes=RedisCluster.PRIMARIES)
-    if not isinstance(infos, dict):
+    got = call(arg, target_nodes=RedisCluster.PRIMARIES)
+    if not isinstance(got, dict):
         return []
-    if all(isinstance(v, dict) for v in infos.values()):
-        return list(infos.values())
-    return [infos]
+    if got and all(isinstance(v, dict) for v in got.values()):
+        return list(got.values())
+    return [got]
+
+
+def primaries_info(client, section: str = "server") -> list[dict]:
+    """`INFO section` of each master (of the one server of a plain client)."""
+    return _per_primary(client, "info", section)
 
 
 def primaries_config(client, pattern: str) -> list[dict]:
-    """`CONFIG GET pattern` of each master of a Redis Cluster client, or of the one server of a plain client."""
-    if not hasattr(client, "get_primaries"):
-        return [client.config_get(pattern)]
-    from redis.cluster import RedisCluster
-
-    got = client.config_get(pattern, target_nodes=RedisCluster.PRIMARIES)
-    if isinstance(got, dict) and got and all(isinstance(v, dict) for v in got.values()):
-        return list(got.values())
-    return [got] if isinstance(got, dict) else []
+    """`CONFIG GET pattern` of each master (of the one server of a plain client)."""
+    return _per_primary(client, "config_get", pattern)
 
 
 def _database(url: str, timeout_s: float) -> tuple[str, str]:

@@ -11,7 +11,7 @@ DEV := hf,local,bench,test,serve
 
 .PHONY: demo test lint redis-tls valkey test-core test-install test-deploy test-vllm test-sglang bench clean chromium
 
-$(STAMP): pyproject.toml $(CONSTRAINTS)
+$(STAMP): pyproject.toml setup.py kvmesh/_chainhash.c $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[$(DEV)]'
@@ -88,7 +88,7 @@ test-deploy: $(DEPLOY_STAMP)
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvmesh-vllm-installed
 
-$(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
+$(VLLM_STAMP): pyproject.toml setup.py kvmesh/_chainhash.c $(CONSTRAINTS)
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) torch
@@ -107,7 +107,7 @@ test-vllm: $(VLLM_STAMP)
 SGL_VENV ?= .venv-sglang
 SGL_STAMP := $(SGL_VENV)/.kvmesh-sglang-installed
 
-$(SGL_STAMP): pyproject.toml tests/sglang/requirements.txt $(CONSTRAINTS)
+$(SGL_STAMP): pyproject.toml setup.py kvmesh/_chainhash.c tests/sglang/requirements.txt $(CONSTRAINTS)
 	$(PY) -m venv $(SGL_VENV)
 	$(SGL_VENV)/bin/python -m pip install -q --upgrade pip
 	$(SGL_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) torch

@@ -90,9 +90,9 @@ def inst(pytestconfig):
         # build from a copy, so nothing (egg-info, build/) lands in the checkout
         src = work / "src"
         src.mkdir()
-        for f in ("pyproject.toml", "README.md"):
+        for f in ("pyproject.toml", "setup.py", "README.md"):
             shutil.copy2(ROOT / f, src / f)
-        shutil.copytree(ROOT / "kvmesh", src / "kvmesh", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        shutil.copytree(ROOT / "kvmesh", src / "kvmesh", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
         t0 = time.monotonic()
         _ok(_run([sys.executable, "-m", "build", "--outdir", work / "dist", src], work), "python -m build")
         build_s = time.monotonic() - t0
@@ -184,6 +184,21 @@ def test_the_wheel_holds_the_package_and_says_what_it_needs(inst):
         assert Version(v) in torch.specifier, f"{torch} excludes torch {v}"
     core = {r.name.lower() for r in reqs if r.marker is None}
     assert not core & OPTIONAL, f"core dependencies that belong in an extra: {sorted(core & OPTIONAL)}"
+
+
+def test_the_wheel_carries_the_chain_in_c_and_the_install_uses_it(inst):
+    """kvmesh._chainhash is built from the sdist (a C compiler is on this project's machines; without one the build
+    goes on without it): the installed kvmesh hashes in C and gives the golden vectors."""
+    with zipfile.ZipFile(inst.wheel) as z:
+        assert [n for n in z.namelist() if n.startswith("kvmesh/_chainhash.") and n.endswith(".so")]
+    code = ("import json, kvmesh.hashing as h\nfrom kvmesh import KVSpec\n"
+            "s = KVSpec('golden/llama@rev1', num_layers=2, num_kv_heads=2, head_dim=4, dtype='bfloat16', "
+            "chunk_tokens=4)\n"
+            "print(json.dumps({'built': h.native_chain_built(), 'file': h._native_chain.__module__, "
+            "'hashes': [x.hex() for x in h.chunk_hashes(s.namespace, h.as_tokens(list(range(10))), 4)]}))")
+    r = json.loads(_ok(_py(inst, code), "kvmesh.hashing"))
+    assert r == {"built": True, "file": "kvmesh._chainhash",
+                 "hashes": ["b7639f8412e76d2465d71789b603cd71", "13990589414a49cf72d2d9c79373092f"]}
 
 
 def test_the_live_page_and_the_cli_run_from_the_installed_wheel(inst, private_redis):

@@ -102,3 +102,67 @@ def test_long_chains_match_the_documented_layout(chunk_tokens, n_tokens):
         h = hashlib.blake2b(h + chunk, digest_size=16, person=b"kvmesh.chunk").digest()
         want.append(h)
     assert chunk_hashes(SPEC.namespace, toks, chunk_tokens, "t") == want
+
+
+# -- the chain in C (kvmesh._chainhash) and in Python give the same bytes ------------------------------------------
+def test_the_chain_in_c_is_built_here():
+    # setup.py builds it wherever a C compiler is (this project's machines have one); a build that silently lost it
+    # would hash every prompt ~25 % slower
+    from kvmesh.hashing import native_chain_built
+
+    assert native_chain_built()
+
+
+@pytest.fixture(params=["c", "python"])
+def chain_impl(request, monkeypatch):
+    from kvmesh import hashing
+
+    if request.param == "python":
+        monkeypatch.setattr(hashing, "_native_chain", None)
+    elif not hashing.native_chain_built():
+        pytest.skip("kvmesh._chainhash is not built")
+    return request.param
+
+
+def test_golden_vectors_in_both_implementations(chain_impl):
+    test_golden_vectors()
+    test_golden_vectors_follow_the_documented_layout()
+
+
+# every way a chunk's message (16 bytes of the previous hash, then the chunk) meets BLAKE2b's 128-byte blocks: one
+# block, exactly one, one byte more, whole blocks, and long chunks
+@pytest.mark.parametrize("chunk_tokens", [1, 2, 27, 28, 29, 31, 32, 33, 60, 64, 100, 252, 256, 257, 1000, 4096])
+def test_the_chain_is_the_documented_layout_for_every_chunk_size(chain_impl, chunk_tokens):
+    for n_tokens, salt in ((chunk_tokens * 3 + chunk_tokens // 2, None), (chunk_tokens * 2, "t" * 300),
+                           (chunk_tokens - 1, "x")):
+        toks = as_tokens(np.random.default_rng(chunk_tokens).integers(0, 2**32, n_tokens, dtype=np.uint64))
+        h = root_hash(SPEC.namespace, salt)
+        want = []
+        for i in range(n_tokens // chunk_tokens):
+            h = hashlib.blake2b(h + toks[i * chunk_tokens:(i + 1) * chunk_tokens].tobytes(), digest_size=16,
+                                person=b"kvmesh.chunk").digest()
+            want.append(h)
+        got = chunk_hashes(SPEC.namespace, toks, chunk_tokens, salt)
+        assert got == want and all(type(g) is bytes for g in got)
+
+
+def test_the_chain_of_a_slice_or_a_copy_of_the_tokens_is_the_same():
+    toks = as_tokens(np.random.default_rng(5).integers(0, 2**32, 4 * 64 + 7, dtype=np.uint64))
+    whole = chunk_hashes(SPEC.namespace, toks, 64)
+    assert chunk_hashes(SPEC.namespace, as_tokens(toks[: 3 * 64 + 1]), 64) == whole[:3]
+    assert chunk_hashes(SPEC.namespace, as_tokens(list(map(int, toks))), 64) == whole
+
+
+def test_the_c_chain_refuses_bad_arguments_with_a_typed_error():
+    from kvmesh import hashing
+
+    if not hashing.native_chain_built():
+        pytest.skip("kvmesh._chainhash is not built")
+    chain = hashing._native_chain
+    for args in ((b"x" * 15, b"", 4, b"p"), (b"x" * 16, b"abc", 2, b"p"), (b"x" * 16, b"", 0, b"p"),
+                 (b"x" * 16, b"", 4, b"p" * 17)):
+        with pytest.raises(ValueError, match="chain:"):
+            chain(*args)
+    with pytest.raises(TypeError):
+        chain("x" * 16, b"", 4, b"p")
+    assert chain(b"x" * 16, b"", 4, b"p") == []

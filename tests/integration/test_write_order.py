@@ -33,10 +33,11 @@ def test_concurrent_stores_and_evictions_leave_no_phantom_or_missing_entry(priva
                     ks = [bytes([t, r, j]) + bytes(13) for j in range(3)]
                     datas = [np.full(SLOT, (t * 7 + r + j) % 251, np.uint8) for j in range(3)]
                     items = [StoreItem(group, k, SLOT, checksum(d)) for k, d in zip(ks, datas)]
-                    node.node.store(items, np.concatenate(datas))
+                    stored[t] += node.node.store(items, np.concatenate(datas))
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(e)
 
+        stored = [0] * 12  # a store that finds all 8 slots being written by other threads is refused
         threads = [threading.Thread(target=writer, args=(t,)) for t in range(12)]
         for t in threads:
             t.start()
@@ -44,7 +45,8 @@ def test_concurrent_stores_and_evictions_leave_no_phantom_or_missing_entry(priva
             t.join()
         assert not errors, errors
         st = node.stats()
-        assert st["evictions"] >= 12 * 60 * 3 - 8  # nearly every chunk stored was evicted again
+        assert sum(stored) >= 12 * 60 * 3 * 0.9, stored  # refusals are rare (3 of 2,160 in one CI run)
+        assert st["evictions"] >= sum(stored) - 8  # every chunk stored, but the last 8, was evicted again
         node.check_integrity(directory=True)  # exactly what is held is listed: no phantom, nothing missing
         # check_integrity reads the entries through the node's own group index; a phantom in a group that left the
         # index would escape it (and a purge): so every group in the keyspace, too

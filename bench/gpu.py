@@ -463,6 +463,13 @@ def devsum_figure(device, total_bytes: int, chunk_bytes: int) -> dict:
     out["fused_one_launch_gbps"] = total_bytes / t_rows / 1e9
     out["fused_one_launch_same_sums"] = bool(torch.equal(co.row_sums(rows), fused))
     del rows
+    # the chunks where they are (separate allocations, as a hit lands in an engine's pages): device_checksums finds
+    # them through a device array of their addresses, one launch for all
+    from kvmesh.tiers.devsum import device_checksums
+
+    t_bufs = timer(lambda: device_checksums(bufs, co))
+    out["fused_separate_buffers_one_launch_gbps"] = total_bytes / t_bufs / 1e9
+    out["fused_separate_buffers_same_sums"] = bool(torch.equal(device_checksums(bufs, co), fused))
     out.update({
         "d2d_copy_gbps": total_bytes / t_copy / 1e9, "fused_gbps": total_bytes / t_fused / 1e9,
         "torch_ops_gbps": total_bytes / t_ops / 1e9, "fused_ratio_to_d2d_copy": t_copy / t_fused,

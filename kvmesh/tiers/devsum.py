@@ -103,6 +103,13 @@ def _check_fused(device: torch.device) -> bool:
             if not torch.equal(devsum_triton.row_sums(part, start), want):
                 log.warning("kvmesh: the fused device checksum differs from the torch ops on %s; using those", device)
                 return False
+        # separate buffers, by their addresses (one of them 4 bytes off a 16-byte boundary)
+        n = words.shape[1] - 2
+        bufs = [words[0, :n].clone(), words[1, 1 : 1 + n], words[2, 2 : 2 + n]]
+        want = torch.stack([torch.mul(b, _constants(b.numel(), device)).sum(dtype=torch.int64) for b in bufs])
+        if not torch.equal(devsum_triton.buffer_sums(bufs), want):
+            log.warning("kvmesh: the fused device checksum differs from the torch ops on %s; using those", device)
+            return False
         return True
     except Exception as e:  # no Triton, no compiler, a kernel that fails: the torch ops compute the same S
         log.info("kvmesh: fused device checksum unavailable on %s (%s); using torch ops", device, e)
@@ -171,7 +178,25 @@ def device_checksums(bufs: Sequence[torch.Tensor], coefficients: Coefficients | 
     rows = _as_rows(words)
     if rows is not None:  # evenly spaced buffers of one size in one storage (slots of a pool, rows of a staging)
         return coefficients.row_sums(rows)
+    if len(words) > 1 and words[0].is_cuda and fused_ok(words[0].device):
+        try:  # buffers anywhere: one launch per length, through a device array of their addresses
+            return _buffer_sums(words)
+        except Exception as e:  # (a kernel that checked out but fails here: the torch ops from now)
+            _disable_fused(words[0].device, e)
     return torch.stack([coefficients.row_sums(w.view(1, -1))[0] for w in words])
+
+
+def _buffer_sums(words: list[torch.Tensor]) -> torch.Tensor:
+    from kvmesh.tiers import devsum_triton
+
+    by_len: dict[int, list[int]] = {}
+    for k, w in enumerate(words):
+        by_len.setdefault(w.numel(), []).append(k)
+    out = torch.empty(len(words), dtype=torch.int64, device=words[0].device)
+    for idx in by_len.values():
+        sums = devsum_triton.buffer_sums([words[k] for k in idx])
+        out[torch.tensor(idx, device=out.device)] = sums
+    return out
 
 
 def _as_rows(words: list[torch.Tensor]) -> torch.Tensor | None:

@@ -115,3 +115,23 @@ def test_evenly_spaced_buffers_are_summed_at_once_and_others_one_by_one():
     uneven = [slots[0], slots[2], slots[3]]
     assert devsum._as_rows([devsum._words(b) for b in uneven]) is None
     assert device_checksums(uneven).tolist() == [want[0], want[2], want[3]]
+
+
+def test_buffers_anywhere_are_summed_in_one_launch_per_length(monkeypatch):
+    """A hit's chunks landed in separate allocations (an engine's own pages): their addresses go to the kernel in one
+    device array, one launch per length of buffer; unaligned and odd-sized ones included."""
+    from kvmesh.tiers import devsum_triton
+
+    sizes = [4 * (BLOCK + 8)] * 5 + [4 * 3 * BLOCK + 12] * 3 + [6, 4 * BLOCK]
+    bufs = [rand(n, 20 + k).to(DEV) for k, n in enumerate(sizes)]
+    bufs[1] = torch.cat([torch.zeros(4, dtype=torch.uint8, device=DEV), bufs[1]])[4:]  # 4 bytes off 16
+    want = [reference_checksum(b.cpu().numpy().tobytes()) for b in bufs]
+    launches = []
+    real = devsum_triton.buffer_sums
+    monkeypatch.setattr(devsum_triton, "buffer_sums", lambda bs: launches.append(len(bs)) or real(bs))
+    assert device_checksums(bufs).tolist() == want
+    assert sorted(launches) == [1, 1, 3, 5]  # one per length
+    with torch.cuda.stream(torch.cuda.Stream(DEV)):
+        got = device_checksums(bufs)
+        torch.cuda.current_stream(DEV).synchronize()
+    assert got.tolist() == want

@@ -37,6 +37,8 @@ def commit() -> str:
     """The git commit measured; `$KVMESH_COMMIT` where the copy has no .git (e.g. a lent GPU machine)."""
     if os.environ.get("KVMESH_COMMIT"):
         return os.environ["KVMESH_COMMIT"]
+    if os.environ.get("KVMESH_BENCH_COMMIT"):  # a copy whose git metadata is not the tree's (the GPU machine's)
+        return os.environ["KVMESH_BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent, check=True).stdout.strip()

@@ -416,7 +416,6 @@ class KVMeshClient:
             c.coalesce_pulls,
             match.group or (match.chunks[0].hash if match.start == 0 and match.chunks else b""),
             max(1, c.pull_batch_bytes // self.spec.chunk_bytes),
-            c.pin_ttl_s / 2,
         )
 
     def fetch(

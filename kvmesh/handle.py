@@ -286,8 +286,8 @@ class NodeHandle:
     def hello(self, timeout: float = 30.0) -> NodeHello:
         return self._call("hello", NodeHello.unpack).result(timeout)
 
-    def pin(self, keys: list[bytes], gpu: bool = False) -> Pending[Pinned]:
-        return self._call("pin", _pinned, pack_keys(keys, self.requester, gpu))
+    def pin(self, keys: list[bytes], gpu: bool = False, hold_s: float = 0.0) -> Pending[Pinned]:
+        return self._call("pin", _pinned, pack_keys(keys, self.requester, gpu, int(hold_s * 1000)))
 
     def unpin(self, pin_id: int) -> None:
         self._call("unpin", lambda r: r, pin_id)
@@ -331,8 +331,8 @@ class LocalHandle:
     def hello(self, timeout: float = 30.0) -> NodeHello:
         return self._live().hello()
 
-    def pin(self, keys: list[bytes], gpu: bool = False) -> Pending[Pinned]:
-        return Done.of(lambda: self._live().pin(keys, self.requester, gpu))
+    def pin(self, keys: list[bytes], gpu: bool = False, hold_s: float = 0.0) -> Pending[Pinned]:
+        return Done.of(lambda: self._live().pin(keys, self.requester, gpu, hold_s))
 
     def unpin(self, pin_id: int) -> None:
         if not getattr(self.node, "_closed", False):
@@ -412,8 +412,8 @@ class KVNodeActor:
         return self.node.hello().pack()
 
     def pin(self, request: bytes) -> bytes:
-        keys, requester, gpu = unpack_pin_request(request)
-        p = self.node.pin(keys, requester, gpu)
+        keys, requester, gpu, hold_ms = unpack_pin_request(request)
+        p = self.node.pin(keys, requester, gpu, hold_ms / 1000)
         return pack_pin_reply(p.pin_id, p.chunks, p.slab_path, p.gpu)
 
     def unpin(self, pin_id: int) -> None:

@@ -103,6 +103,7 @@ class FetchStats:
     corrupt: int = 0  # chunks that failed their checksum (reported to their holder)
     runs: tuple[RunStats, ...] = ()
     gpu_chunks: int = 0  # of the local chunks, those read device to device from the node's GPU tier (CUDA IPC)
+    adopted_chunks: int = 0  # of the local chunks, slab slots a device sink read in place (DMA, no host copy)
 
     @property
     def chunks(self) -> int:

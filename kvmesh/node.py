@@ -62,7 +62,7 @@ from kvmesh.telemetry import RayExporter, Records, export_node_stats
 from kvmesh.tiers import TIER_DISK, TIER_NAMES, checksum
 from kvmesh.tiers.cpu import CpuTier
 from kvmesh.transport import DataClient, DataServer
-from kvmesh.wire import GpuReserved, NodeInfo, PinnedChunk, StoreItem, WireError
+from kvmesh.wire import MAX_DEADLINE_MS, GpuReserved, NodeInfo, PinnedChunk, StoreItem, WireError
 from kvmesh.wire import PullThrough as PullRequest
 
 log = logging.getLogger("kvmesh.node")
@@ -80,6 +80,7 @@ def _advise(directory: Directory) -> None:
 
 # a slab, its table relay, and the relay's temp file (`TableFile.write`: a node killed mid-write leaves it)
 _SLAB_RE = re.compile(r"^kvmesh-(?P<node>[0-9a-f]+)-(?P<pid>\d+)-[0-9a-f]+(\.nodes(\.\d+\.\d+)?)?$")
+MAX_HOLD_S = MAX_DEADLINE_MS / 1000  # the longest a reader may ask a pin to be held beyond the pin TTL
 PIN_WAIT_S = 1.0  # a pin waits at most this long for chunks it cannot bring into the slab this moment
 WRITEBACK_WAIT_S = 2.0  # a store waits at most this long, in all, for write-back buffers (then evictions drop)
 REGISTER_WAIT_S = 3.0  # a store returns once its chunks are registered, or after this (they stay queued)
@@ -386,16 +387,19 @@ class KVNode:
     def hello(self) -> NodeHello:
         return NodeHello(self.info.with_incarnation(self.lease.incarnation), self.config, self._gpu_exports)
 
-    def pin(self, keys: list[bytes], requester: str = "", gpu: bool = False) -> Pinned:
+    def pin(self, keys: list[bytes], requester: str = "", gpu: bool = False, hold_s: float = 0.0) -> Pinned:
         """`gpu`: the reader maps this node's GPU pools (CUDA IPC): the leading keys held in the GPU tier are pinned
-        there and read device to device, the rest in the slab (brought into it from the other tiers)."""
+        there and read device to device, the rest in the slab (brought into it from the other tiers). `hold_s`:
+        how long the reader may still read the slots (what is left of its fetch's deadline: a device sink reads
+        adopted slots until its fetch ends): the pin lapses `pin_ttl_s` after that, never while it may be read."""
         on_gpu = self._pin_gpu(keys) if gpu else []
         slots = self._pin_host(keys[len(on_gpu) :]) if len(on_gpu) < len(keys) else []
         with self.lock:
             self._account(requester or self.node_id, slots)
             pin_id = next(self._pin_ids)
             if slots or on_gpu:
-                self._pins[pin_id] = (slots, [s for s, _ in on_gpu], time.monotonic() + self.config.pin_ttl_s)
+                expires = time.monotonic() + min(max(0.0, hold_s), MAX_HOLD_S) + self.config.pin_ttl_s
+                self._pins[pin_id] = (slots, [s for s, _ in on_gpu], expires)
             recs = [self.tier.record(s) for s in slots]
             rows = [PinnedChunk(s, r.nbytes, r.checksum, r.devsum) for s, r in zip(slots, recs)]
             self.stats_counts["pins"] += 1
@@ -552,7 +556,8 @@ class KVNode:
             self._pulling.update(req.keys)  # drop under another: readers waiting on a shared transfer got none)
         try:
             self.pull_through_part.run(req)
-            pinned = self.pin(req.keys, self.node_id)
+            # held for the reader while its fetch may still read the slots (a device sink adopts them)
+            pinned = self.pin(req.keys, self.node_id, hold_s=req.deadline_ms / 1000)
         finally:
             with self.lock:  # chunks pulled only for readers, that none of them pinned (evicted meanwhile): gone now
                 self._pulling.subtract(req.keys)

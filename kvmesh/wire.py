@@ -6,8 +6,9 @@ accepts longer arrays of its version and ignores the extra fields. Decoders chec
 travel beside the header as one contiguous uint8 buffer, chunks back to back in header order; never pickled.
 
     NodeInfo      [1, node_id, actor_name, slab_path, slab_bytes, slot_bytes, data_addr]
-    PinRequest    [1, [key, ...], requester node id, gpu]
-                  gpu: the reader can read the node's GPU tier device to device (CUDA IPC)
+    PinRequest    [1, [key, ...], requester node id, gpu, hold_ms]
+                  gpu: the reader can read the node's GPU tier device to device (CUDA IPC); hold_ms: how long the
+                  reader may still read the slots (its fetch's deadline): the pin lasts that, then the node's pin TTL
     PinReply      [1, pin_id, [[slot, nbytes, checksum], ...], slab_path, [[gpu slot, nbytes, device sum], ...],
                   [device sum or nil, ...]]
                   the leading chunks, pinned: first those in the GPU tier (asked with gpu: device sums as u64),
@@ -124,16 +125,17 @@ class NodeInfo:
         return replace(self, incarnation=incarnation)
 
 
-def pack_keys(keys: list[bytes], requester: str = "", gpu: bool = False) -> bytes:
+def pack_keys(keys: list[bytes], requester: str = "", gpu: bool = False, hold_ms: int = 0) -> bytes:
     """PinRequest and PullRequest (the requester's node id lets the holder account its traffic)."""
-    return msgpack.packb([VERSION, list(keys), requester, bool(gpu)], use_bin_type=True)
+    return msgpack.packb([VERSION, list(keys), requester, bool(gpu), int(hold_ms)], use_bin_type=True)
 
 
-def unpack_pin_request(data) -> tuple[list[bytes], str, bool]:
-    """(keys, requester, gpu) of a PinRequest."""
+def unpack_pin_request(data) -> tuple[list[bytes], str, bool, int]:
+    """(keys, requester, gpu, hold_ms) of a PinRequest; hold_ms is clamped to [0, MAX_DEADLINE_MS]."""
     keys, requester = unpack_request(data, "PinRequest")
     o = _unpack(data, "PinRequest")
-    return keys, requester, len(o) > 3 and o[3] is True
+    hold = o[4] if len(o) > 4 and isinstance(o[4], int) and not isinstance(o[4], bool) else 0
+    return keys, requester, len(o) > 3 and o[3] is True, max(0, min(MAX_DEADLINE_MS, hold))
 
 
 def unpack_keys(data, what: str = "request") -> list[bytes]:

@@ -42,11 +42,6 @@ class FetchOptions:
     coalesce: bool = False  # peer chunks come through this node's KVNode (needs `group`)
     group: bytes = b""  # the prompt's directory group: where chunks pulled through this node register
     per_batch: int = 8  # chunks per peer request
-    # this node's slab slots are adopted by a sink (read in place, zero-copy) only by a fetch that ends within this:
-    # half the node's pin TTL. A pin that lapsed under an adopted slot would let the sink's copy, made at the end of
-    # the fetch, read the bytes of whatever chunk took the slot, after they were checked. Longer fetches copy
-    # (checked after the copy)
-    adopt_within_s: float = float("inf")
 
 
 class Fetcher:
@@ -128,9 +123,10 @@ class Fetcher:
         if orphans is not None:
             orphans.reap()  # pins of earlier fetches that came after their deadline
         runs, kinds, budgets = self.plan(chunks, opts)
-        # this node's windows are copied into the sink (unpinned as each is done); so is a fetch that may outlast
-        # the pins it would adopt
-        copy = env.here in budgets or opts.deadline - t0 > opts.adopt_within_s
+        # this node's windows are copied into the sink (unpinned as each is done). Otherwise its slab slots are
+        # adopted (read in place: a device sink DMAs from the page-locked slab), whatever the deadline: pins are
+        # held until the deadline (`sources.begin`), so no slot an adopting sink reads is reused under it
+        copy = env.here in budgets
         sink.prepare([i for r, k in zip(runs, kinds) if k in ("tcp", "ray") or copy and k in PINNED for i in r.indices])
         transfers: list[sources.Transfer | None] = [None] * len(runs)
         begun = [t0] * len(runs)  # when each run was begun (windows begin as earlier ones are released)
@@ -156,7 +152,7 @@ class Fetcher:
                     pinned[node] += len(runs[j].keys)
                     begin(j)
 
-        delivered, error, corrupt, device = 0, "", 0, 0
+        delivered, error, corrupt, device, adopted = 0, "", 0, 0, 0
         stats: list[RunStats] = []
         try:
             for j, (r, k) in enumerate(zip(runs, kinds)):
@@ -178,6 +174,7 @@ class Fetcher:
                 delivered += landed.delivered
                 corrupt += landed.corrupt
                 device += landed.device
+                adopted += landed.adopted
                 if landed.delivered < len(r.keys):
                     error = landed.error or "peer_error"
                     break
@@ -193,7 +190,7 @@ class Fetcher:
         result = sink.finish(delivered)
         local = sum(s.delivered for s in stats if s.source == "slab")
         return result, FetchStats(
-            local, delivered - local, time.monotonic() - t0, error, len(chunks), corrupt, tuple(stats), device
+            local, delivered - local, time.monotonic() - t0, error, len(chunks), corrupt, tuple(stats), device, adopted
         )
 
 

@@ -52,6 +52,7 @@ class Landed:
     # "stale_slab"; "" when it did not
     corrupt: bool = False  # it stopped at a chunk that failed its checksum
     device: int = 0  # of the delivered chunks, those read device to device from the node's GPU tier
+    adopted: int = 0  # of the delivered chunks, slab slots the sink reads in place (no host copy)
 
 
 @dataclass
@@ -160,11 +161,12 @@ class PinnedTransfer(Transfer):
             sink.adopt_device(run.start + j, src, row.checksum, lambda k=key: local.report_corrupt([k]))
             self._adopted = True
         checks: list = []  # (j, key, checksum wanted, its check) of the chunks copied so far, in order
+        adopted = 0
         try:
             for j0, row in enumerate(p.chunks):
                 j = g + j0
                 if row.nbytes != cb:
-                    return self._settle(checks, Landed(j, "not_held"))
+                    return self._settle(checks, Landed(j, "not_held", device=g, adopted=adopted))
                 i = run.start + j
                 view = env.slab.view(row.slot * env.slot_bytes, cb)
                 key = run.keys[j]
@@ -172,13 +174,14 @@ class PinnedTransfer(Transfer):
                     i, view, row.checksum, lambda k=key: local.report_corrupt([k]), row.devsum
                 ):
                     self._adopted = True
+                    adopted += 1
                     continue
                 sink.put(i, view)
                 # checked after the copy (catches a slot overwritten under us, too), on the verify threads while
                 # the next chunks are copied; committed in order once its check is in (`_settle`)
                 checks.append((j, key, row.checksum, _check(env.verify, view)))
             n = g + len(p.chunks)
-            return self._settle(checks, Landed(n, "" if n == len(run.keys) else "not_held", device=g))
+            return self._settle(checks, Landed(n, "" if n == len(run.keys) else "not_held", device=g, adopted=adopted))
         finally:
             wait([c[3] for c in checks])  # no check reads the slab once the run is released (unpinned)
 
@@ -188,7 +191,7 @@ class PinnedTransfer(Transfer):
         for j, _key, want, check in checks:
             if check.result() != want:
                 self._local.report_corrupt(list(self.run.keys[j:]))  # (with the rest: see the module docstring)
-                return Landed(j, "checksum", corrupt=True)
+                return Landed(j, "checksum", corrupt=True, device=landed.device, adopted=landed.adopted)
             self.sink.commit(self.run.start + j, want)
         return landed
 
@@ -324,7 +327,10 @@ def begin(
     if kind == "slab":  # a device sink on a GPU reads GPU-tier chunks device to device where it can map them
         assert env.local is not None, "the planner gives slab runs only to a reader beside its KVNode"
         gpu = not copy and env.gpu is not None and getattr(sink, "device_reads", False)
-        return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pin(list(run.keys), gpu), copy)
+        # held while the sink may read the slots: an adopting sink reads them until the fetch ends, so the pin
+        # must not lapse before the deadline however long it is (the node's pin TTL runs from there)
+        hold = max(0.0, deadline - time.monotonic())
+        return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pin(list(run.keys), gpu, hold), copy)
     if kind == "via":
         assert env.local is not None, "pull-throughs go through this node's KVNode"
         ms = max(0, min(MAX_DEADLINE_MS, int((deadline - time.monotonic()) * 1000)))

@@ -138,8 +138,8 @@ def test_more_windowed_fetches_than_the_slab_holds_at_once_all_finish(mesh):
 def test_a_fetch_that_may_outlast_its_pins_does_not_read_a_reused_slot(mesh):
     # a device fetch adopts its node's slab slots and copies them at its end; a slow peer kept it past the pin TTL,
     # the node released the pins, a store reused the slots, and the copy read the new chunk's bytes, after the
-    # old ones had been checked: a load that said it was verified held another chunk's KV. A fetch whose deadline
-    # may outlast half the pin TTL copies and checks instead
+    # old ones had been checked: a load that said it was verified held another chunk's KV. A reader's pins are
+    # held until its deadline (then the TTL): the slots stay its own, and are still read in place
     ttl = 1.0
     m = mesh(D=dict(cpu_bytes=8 * SLOT, pin_ttl_s=ttl), B={})
     d, b = m.nodes["D"], m.nodes["B"]
@@ -171,6 +171,7 @@ def test_a_fetch_that_may_outlast_its_pins_does_not_read_a_reused_slot(mesh):
         k = min(n, load.first_unverified())
         got = load.staging[:k].permute(1, 2, 0, 3, 4, 5).reshape(SPEC.kv_shape(k * CT))
         assert k == 8 and exact(got, kv, k)
+        assert cd.last_fetch.adopted_chunks == 4  # D's own chunks, read in place
     finally:
         load.release()
         cd.close()

@@ -58,3 +58,15 @@ def test_pull_through_round_trips_and_rejects_what_a_node_must_not_act_on():
             unpack_pull_through(pack_pull_through(bad))
     with pytest.raises(WireError):
         unpack_pull_through(msgpack.packb([1, [K], K, 1, "n", "tcp"]))  # a field missing
+
+
+def test_a_pin_request_carries_how_long_the_reader_may_read_its_slots():
+    from kvmesh.wire import MAX_DEADLINE_MS, unpack_pin_request
+
+    assert unpack_pin_request(pack_keys([K], "n1", True, 12_345)) == ([K], "n1", True, 12_345)
+    assert unpack_pin_request(pack_keys([K], "n1"))[3] == 0
+    # a request of before the field (four elements) holds for the TTL alone; nonsense is clamped, never raised
+    assert unpack_pin_request(msgpack.packb([1, [K], "n1", False]))[3] == 0
+    assert unpack_pin_request(msgpack.packb([1, [K], "n1", False, -5]))[3] == 0
+    assert unpack_pin_request(msgpack.packb([1, [K], "n1", False, 10**12]))[3] == MAX_DEADLINE_MS
+    assert unpack_pin_request(msgpack.packb([1, [K], "n1", False, True]))[3] == 0

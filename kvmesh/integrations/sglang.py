@@ -67,7 +67,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import secrets
 import threading
@@ -79,9 +78,11 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from kvmesh.client import MAX_DEADLINE_S, KVMeshClient, connect
+from kvmesh.client import KVMeshClient, connect
 from kvmesh.hashing import HASH_BYTES, client_salt, root_hash
 from kvmesh.integrations.identity import local_model_id, model_fingerprint  # noqa: F401 (model_fingerprint: API)
+from kvmesh.integrations.options import SGLANG
+from kvmesh.raybootstrap import ensure_ray, local_node_id
 from kvmesh.spec import KVFormat, KVSpec
 from kvmesh.storequeue import refusals
 
@@ -107,20 +108,6 @@ def _gen_start() -> int:
     return 1 + secrets.randbelow(GEN_START)
 
 
-# extra_config keys of this backend (SGLang's own keys, e.g. backend_name or interface_v1, pass through unchecked)
-OPTIONS: dict[str, Any] = {  # name -> what isinstance() accepts
-    "ray_address": str,  # Ray cluster to join when this process has no Ray connection yet
-    "ray_node_id": str,  # the node whose KVNode is this engine's local one
-    "redis_url": str,  # the directory, if not the one the local KVNode uses
-    "cache_salt": str,  # tenant salt: engines with different salts never share
-    "model_id": str,  # the model's identity ("name@revision"); replaces name + revision/fingerprint
-    "model_revision": str,  # revision of a hub model (`model_name` is not a local directory)
-    "lora_id": str,  # adapter merged into the weights, if any
-    "kv_cache_dtype": str,  # SGLang's --kv-cache-dtype, where this process's server args do not say it
-    "fetch_timeout_s": (int, float),  # deadline of one batch_get
-    "generation_refresh_s": (int, float),  # how often the generation is re-read (another engine may clear)
-}
-MAX_SECONDS = {"fetch_timeout_s": MAX_DEADLINE_S, "generation_refresh_s": 3600.0}  # options' upper bounds
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 # Bumped whenever this backend changes how it writes a page's bytes: pages written before are then never read.
 SGLANG_FORMAT_VERSION = 1
@@ -136,25 +123,10 @@ _POOL_FEATURES = (
 
 
 def parse_options(extra: dict | None) -> dict:
-    """The kvmesh options in SGLang's extra_config, type-checked (a bad one is a ValueError naming it)."""
-    out = {}
-    for name, kind in OPTIONS.items():
-        if extra and extra.get(name) is not None:
-            v = extra[name]
-            if isinstance(v, bool) or not isinstance(v, kind) or (kind is str and not v):
-                raise ValueError(
-                    f"kvmesh SGLang backend: extra_config[{name!r}] must be a non-empty "
-                    f"{getattr(kind, '__name__', 'number')}, got {v!r}"
-                )
-            # (SGLang's JSON takes NaN and Infinity: a deadline of either made every read a miss, forever)
-            if kind is not str and not 0 < v <= MAX_SECONDS.get(name, math.inf):  # (false for NaN too)
-                raise ValueError(
-                    f"kvmesh SGLang backend: extra_config[{name!r}] must be a finite number > 0"
-                    + (f" and <= {MAX_SECONDS[name]:g}" if name in MAX_SECONDS else "")
-                    + f", got {v!r}"
-                )
-            out[name] = v
-    return out
+    """The kvmesh options in SGLang's extra_config (`options.SGLANG`), type-checked, with defaults; an unknown key
+    (other than SGLang's own, `options.SGLANG_KEYS`) or a bad value is an OptionError (a ValueError) naming it.
+    (SGLang's JSON takes NaN and Infinity: a deadline of either made every read a miss, forever.)"""
+    return SGLANG.parse(extra)
 
 
 def server_args():
@@ -425,11 +397,7 @@ class KVMeshStorage(HiCacheStorage):
             "prefetch_bandwidth": [],
             "backup_bandwidth": [],
         }
-        import ray
-
-        if not ray.is_initialized():
-            address = self.options.get("ray_address") or os.environ.get("RAY_ADDRESS") or "auto"
-            ray.init(address=address, namespace="kvmesh-sglang", logging_level="WARNING", log_to_driver=False)
+        ensure_ray(self.options.get("ray_address"), "kvmesh-sglang")
         follow_weight_updates()
         _LIVE.add(self)
 
@@ -440,7 +408,7 @@ class KVMeshStorage(HiCacheStorage):
         spec = spec_for_pool(self.storage_config, mem_pool_host, self.options, server_args(), self._loaded)
         if self.client is not None and spec == self.spec:
             return
-        node_id = self.options.get("ray_node_id") or os.environ.get("KVMESH_RAY_NODE_ID") or None
+        node_id = local_node_id(self.options.get("ray_node_id"))
         try:
             client = connect(
                 spec, self.options.get("redis_url"), cache_salt=self.options.get("cache_salt"), node_id=node_id

@@ -148,9 +148,10 @@ VLLM_TIER = OptionTable(
     ),
 )
 
-# SGLang's own keys in the backend's extra_config: the dynamic loader's (backend_name, module_path, class_name),
-# the cache controller's (interface_v1, the prefetch settings, hicache_storage_pass_prefix_keys; SGLang 0.5.23
-# pops the prefetch ones and the prefix-key switch before it builds the backend, older releases did not)
+# SGLang's own keys that reach the backend's extra_config (SGLang 0.5.23): the dynamic loader's (backend_name,
+# module_path, class_name), the cache controller's interface_v1, and the radix cache's prefetch settings and prefix-key
+# switch: its own parser pops these four, but the PD-disaggregation decode offload manager hands the controller the
+# JSON as given. (tp_lcm_size, the one other key SGLang reads, is popped before every backend is built.)
 SGLANG_KEYS = (
     "backend_name",
     "module_path",

@@ -46,11 +46,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import save  # noqa: E402
+from bench.movers_paged import (gather_contiguous, gather_paged, load_and_store_paged, load_paged,  # noqa: E402
+                                scatter_paged, store_paged, to_host)
 from kvmesh import KVSpec  # noqa: E402
 from kvmesh.cost import CostModel, LinkModel  # noqa: E402
 from kvmesh.integrations.hf import _forward, _new_cache, _layer_kv, prefill_on_load  # noqa: E402
-from kvmesh.movers import (gather_contiguous, gather_paged, load_and_store_paged, load_paged,  # noqa: E402
-                           scatter_paged, store_paged, to_device, to_host)
+from kvmesh.movers import to_device  # noqa: E402
 from kvmesh.tiers import checksum  # noqa: E402
 from kvmesh.tiers.cpu import CpuTier  # noqa: E402
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh.tiers.gpu_ipc import PoolMapper, export_for, read_chunks, read_to_device, write_chunks
+from bench.gpu_ipc_layerwise import read_to_device
+from kvmesh.tiers.gpu_ipc import PoolMapper, export_for, read_chunks, write_chunks
 
 MiB = 1 << 20
 

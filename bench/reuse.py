@@ -22,7 +22,8 @@ from bench.common import plot_speedup, save  # noqa: E402
 
 def run(lengths: list[int], suffix: int = 32, progress=None) -> list[dict]:
     from kvmesh.integrations.hf import _forward, _layer_kv, _new_cache, prefill_on_load, spec_for_model, tiny_llama
-    from kvmesh.movers import gather_contiguous, to_device, to_host
+    from bench.movers_paged import gather_contiguous, to_host
+    from kvmesh.movers import to_device
     from kvmesh.tiers.cpu import CpuTier
 
     torch.set_num_threads(os.cpu_count() or 1)

@@ -16,6 +16,7 @@ import tempfile
 import time
 
 from kvmesh._extras import MissingExtra, hint
+from kvmesh.raybootstrap import init_ray
 
 # Ray binds the machine's external interface unless told otherwise; keep every listener on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -278,7 +279,6 @@ class LocalRayCluster:
     def __init__(
         self, num_nodes: int = 3, num_cpus: int = 1, object_store_bytes: int = 256 * MiB, connect: bool = True
     ) -> None:
-        import ray
         from ray.cluster_utils import Cluster
 
         self.cluster = Cluster(
@@ -294,9 +294,7 @@ class LocalRayCluster:
             self.nodes.append(self.cluster.add_node(num_cpus=num_cpus, object_store_memory=object_store_bytes))
         self.cluster.wait_for_nodes()
         if connect:
-            ray.init(
-                address=self.cluster.address, namespace="kvmesh-local", logging_level="WARNING", log_to_driver=False
-            )
+            init_ray(self.cluster.address, "kvmesh-local")
 
     @property
     def address(self) -> str:

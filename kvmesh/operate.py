@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from kvmesh.config import redact_url
+from kvmesh.raybootstrap import init_ray
 
 MiB = 1 << 20
 
@@ -163,7 +164,7 @@ def up_join(address: str, config_path: str | None, redis_url: str | None, host: 
     cfg = KVMeshConfig.load(config_path)
     if redis_url:
         cfg = cfg.replace(redis_url=redis_url)
-    ray.init(address=address, namespace="kvmesh", logging_level="WARNING", log_to_driver=False)
+    init_ray(address, "kvmesh")
     mesh = kvmesh.start(config=cfg)
     actor = ray.remote(DashboardActor).options(
         name="kvmesh-dashboard", namespace="kvmesh", lifetime="detached", get_if_exists=True, num_cpus=0
@@ -241,7 +242,7 @@ def down(address: str | None, out=print) -> int:
 
         import kvmesh
 
-        ray.init(address=address, namespace="kvmesh", logging_level="WARNING", log_to_driver=False)
+        init_ray(address, "kvmesh")
         n = kvmesh.stop()
         try:
             ray.kill(ray.get_actor("kvmesh-dashboard", namespace="kvmesh"))

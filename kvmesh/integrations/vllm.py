@@ -50,7 +50,6 @@ node its Ray connection lands on).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -66,6 +65,7 @@ from kvmesh.integrations.vllm_meta import StepMeta
 from kvmesh.integrations.vllm_options import ConnectorOptions, background_save_copy, parse_options, specs_for_vllm
 from kvmesh.integrations.vllm_scheduler import SchedulerSide
 from kvmesh.integrations.vllm_worker import WorkerSide
+from kvmesh.raybootstrap import ensure_ray, local_node_id
 from kvmesh.spec import KVFormat
 
 log = logging.getLogger("kvmesh.vllm")
@@ -75,18 +75,14 @@ _SOURCES = {"host": CacheHitSource.HOST, "p2p": CacheHitSource.P2P, "disk": Cach
 
 
 def _ensure_ray(options: ConnectorOptions) -> None:
-    import ray
-
-    if not ray.is_initialized():
-        address = options.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
-        ray.init(address=address, namespace="kvmesh-vllm", logging_level="WARNING", log_to_driver=False)
+    ensure_ray(options.ray_address, "kvmesh-vllm")
 
 
 def _connector_for(options: ConnectorOptions):
     """spec -> a KVMeshClient on this engine's node, with the connector's overrides."""
     from kvmesh.client import connect
 
-    node_id = options.ray_node_id or os.environ.get("KVMESH_RAY_NODE_ID") or None
+    node_id = local_node_id(options.ray_node_id)
     extra: dict[str, Any] = {"fetch_timeout_s": options.fetch_timeout_s} if options.fetch_timeout_s else {}
     # the scheduler reports each request's reuse (record_request); the workers' fetches (per TP rank, per KV group)
     # would count the same tokens again

@@ -1,6 +1,7 @@
 """The vLLM connector's options (`kv_connector_extra_config`) and the kvmesh identity of a vLLM engine's KV.
 
-    parse_options(extra) -> ConnectorOptions      type-checked options; a bad one is a ValueError naming it
+    parse_options(extra) -> ConnectorOptions      type-checked options; a bad one is an OptionError (a
+                                                  ValueError) naming it
     groups_for_vllm(kv_cache_config) -> [KVGroup] the model's KV cache groups; a model feature kvmesh cannot move
                                                   (Mamba state, chunked local attention, MLA, ...) is a ValueError
                                                   naming it
@@ -19,18 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass
-from typing import Any
 
 from kvmesh.integrations.identity import local_model_id, model_fingerprint
+from kvmesh.integrations.options import VLLM_CONNECTOR
 from kvmesh.spec import KVFormat, KVGroup, KVSpec, group_specs
 
 DEFAULT_CHUNK_TOKENS = 256
-LOAD_MODES = ("async", "sync")
-SAVE_COPIES = ("inline", "background")
-KV_FORMATS = ("engine", "neutral")
 
 
 @dataclass(frozen=True)
@@ -53,69 +50,10 @@ class ConnectorOptions:
     # worker with kv_format=None), trusting both to write the same bytes
 
 
-_KINDS: dict[str, Any] = {
-    "ray_address": str,
-    "ray_node_id": str,
-    "redis_url": str,
-    "cache_salt": str,
-    "model_id": str,
-    "model_revision": str,
-    "chunk_tokens": int,
-    "load_mode": str,
-    "cost_model": bool,
-    "fetch_timeout_s": (int, float),
-    "save_copy": str,
-    "kv_format": str,
-}
-MAX_SECONDS = {"fetch_timeout_s": 86400.0}  # (the client's own bound on a fetch deadline)
-# keys that are vLLM's or another connector's, not ours (MultiConnector passes its own through)
-_FOREIGN = ("connectors",)
-
-
 def parse_options(extra: dict | None) -> ConnectorOptions:
-    """The connector's options in `kv_connector_extra_config`. Unknown keys are errors (a typo would otherwise
-    silently fall back to a default)."""
-    extra = dict(extra or {})
-    unknown = sorted(k for k in extra if k not in _KINDS and k not in _FOREIGN)
-    if unknown:
-        raise ValueError(
-            f"kvmesh vLLM connector: unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(_KINDS)}"
-        )
-    out = {}
-    for name, kind in _KINDS.items():
-        v = extra.get(name)
-        if v is None:
-            continue
-        bad = (
-            not isinstance(v, kind)
-            or (kind is not bool and isinstance(v, bool))
-            or (kind is str and not v)
-            or (kind in (int, (int, float)) and not 0 < v <= MAX_SECONDS.get(name, math.inf))  # (NaN too)
-        )
-        if bad:
-            what = {str: "a non-empty string", int: "a positive integer", bool: "true or false"}.get(
-                kind, f"a finite number > 0 and <= {MAX_SECONDS.get(name, math.inf):g}"
-            )
-            raise ValueError(f"kvmesh vLLM connector: kv_connector_extra_config[{name!r}] must be {what}, got {v!r}")
-        out[name] = v
-    if out.get("load_mode", "async") not in LOAD_MODES:
-        raise ValueError(
-            f"kvmesh vLLM connector: kv_connector_extra_config['load_mode'] must be one of "
-            f"{LOAD_MODES}, got {out['load_mode']!r}"
-        )
-    if out.get("save_copy", "inline") not in SAVE_COPIES:
-        raise ValueError(
-            f"kvmesh vLLM connector: kv_connector_extra_config['save_copy'] must be one of "
-            f"{SAVE_COPIES}, got {out['save_copy']!r}"
-        )
-    if out.get("kv_format", "engine") not in KV_FORMATS:
-        raise ValueError(
-            f"kvmesh vLLM connector: kv_connector_extra_config['kv_format'] must be one of "
-            f"{KV_FORMATS}, got {out['kv_format']!r}"
-        )
-    if "\x00" in out.get("cache_salt", ""):
-        raise ValueError("kvmesh vLLM connector: kv_connector_extra_config['cache_salt'] must not contain NUL")
-    return ConnectorOptions(**out)
+    """The connector's options in `kv_connector_extra_config` (`options.VLLM_CONNECTOR`). Unknown keys are errors
+    (a typo would otherwise silently fall back to a default)."""
+    return ConnectorOptions(**VLLM_CONNECTOR.parse(extra))
 
 
 def request_salt(engine_salt: str | None, request_salt: str | None) -> str | None:

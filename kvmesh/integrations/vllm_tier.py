@@ -82,7 +82,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvmesh.hashing import HASH_BYTES, root_hash
 from kvmesh.integrations.identity import local_model_id
+from kvmesh.integrations.options import VLLM_TIER
 from kvmesh.integrations.vllm_options import config_identity
+from kvmesh.raybootstrap import ensure_ray, local_node_id
 from kvmesh.spec import KVFormat, KVSpec
 from kvmesh.storequeue import refusals
 
@@ -91,40 +93,13 @@ log = logging.getLogger("kvmesh.vllm.tier")
 TIER_FORMAT_VERSION = 1
 _LOAD, _LOOKUP, _STORE = 0, 1, 2  # the tier thread's priorities: promotions first, stores last
 
-OPTIONS: dict[str, Any] = {  # name -> what isinstance() accepts
-    "ray_address": str,
-    "ray_node_id": str,
-    "redis_url": str,
-    "model_id": str,
-    "model_revision": str,
-    "fetch_timeout_s": (int, float),
-    "verdict_ttl_s": (int, float),
-    "enable_kv_events": bool,
-    "locality": str,
-}
+TIER_OPTIONS = VLLM_TIER.with_choices("locality", tuple(m.value for m in Locality))
 
 
 def parse_tier_options(options: dict) -> dict:
-    """The tier's entries in its `secondary_tiers` config, type-checked; an unknown or bad one is a ValueError
-    naming it."""
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ValueError(f"kvmesh vLLM tier: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
-    out = {}
-    for name, value in options.items():
-        kind = OPTIONS[name]
-        bad = (
-            not isinstance(value, kind)
-            or (kind is not bool and isinstance(value, bool))
-            or (kind is str and not value)
-            or (kind == (int, float) and value <= 0)
-        )
-        if bad:
-            raise ValueError(f"kvmesh vLLM tier: option {name!r} has a bad value {value!r}")
-        out[name] = value
-    if "locality" in out and out["locality"] not in {m.value for m in Locality}:
-        raise ValueError(f"kvmesh vLLM tier: locality must be one of {[m.value for m in Locality]}")
-    return out
+    """The tier's entries in its `secondary_tiers` config (`options.VLLM_TIER`), type-checked, with defaults; an
+    unknown or bad one is an OptionError (a ValueError) naming it."""
+    return TIER_OPTIONS.parse(options)
 
 
 def offload_format(config, row_bytes: int) -> KVFormat:
@@ -226,17 +201,13 @@ class KVMeshTier(SecondaryTierManager):
         row = self.block_size_bytes
         self.spec = tier_spec(offloading_spec.config, row, self.options, engine_model_config())
         self.group = directory_group(self.spec)
-        self.verdict_ttl_s = float(self.options.get("verdict_ttl_s", 10.0))
+        self.verdict_ttl_s = float(self.options["verdict_ttl_s"])
         rows = np.frombuffer(primary_kv_view.cast("B"), dtype=np.uint8)
         self._rows = torch.from_numpy(rows).view(-1, row)  # the primary tier: row c is chunk slot c
-        import ray
-
-        if not ray.is_initialized():
-            address = self.options.get("ray_address") or os.environ.get("RAY_ADDRESS") or "auto"
-            ray.init(address=address, namespace="kvmesh-vllm", logging_level="WARNING", log_to_driver=False)
+        ensure_ray(self.options.get("ray_address"), "kvmesh-vllm")
         from kvmesh.client import connect
 
-        node_id = self.options.get("ray_node_id") or os.environ.get("KVMESH_RAY_NODE_ID") or None
+        node_id = local_node_id(self.options.get("ray_node_id"))
         extra = {"fetch_timeout_s": self.options["fetch_timeout_s"]} if "fetch_timeout_s" in self.options else {}
         self.client = connect(self.spec, self.options.get("redis_url"), node_id=node_id, **extra)
         self.counts = self.client.counts

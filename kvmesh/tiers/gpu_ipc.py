@@ -14,8 +14,9 @@ copy chunks device to device (or peer to peer, or through page-locked host memor
                                                                 verified on a side stream (`verified()` semantics)
     write_chunks(srcs, dsts, ...) -> DeviceWrite                device buffers -> slot views (async), with the
                                                                 device checksums of what landed in the slots
-    read_to_device(srcs, spec, device, expected, ...) -> LayerwiseLoad   layer-group by layer-group, as
-                                                                `movers.to_device`, with a device-checksum check
+
+(A layer-wise read of slots, `movers.to_device` with a device-checksum check, is bench/gpu_ipc_layerwise.py's
+`read_to_device`: only the benchmarks use it; a client's GPU-tier hit lands through the dataplane's DeviceSink.)
 
 Why `cudaIpcGetMemHandle`/`cudaIpcOpenMemHandle` (through ctypes on the process's own libcudart) on a pool that
 this module allocates with `cudaMalloc`:
@@ -495,29 +496,3 @@ def write_chunks(
         if s.device == dev:
             s.record_stream(stream)
     return DeviceWrite(end, sums, path)
-
-
-def read_to_device(
-    srcs: Sequence[torch.Tensor],
-    spec,
-    device,
-    expected: Sequence[int],
-    *,
-    min_copy_bytes: int = 8 << 20,
-    out: torch.Tensor | None = None,
-    coefficients: Coefficients | None = None,
-    verify: bool = True,
-):
-    """GPU-tier chunks -> a `LayerwiseLoad` on `device` (layer group by layer group, as `movers.to_device`; on the
-    same GPU or a peer). `load.verified()` also checks the device checksums, computed on a side stream once the
-    last group has landed. Without peer access use `read_chunks(..., peer=False)` into a staging buffer."""
-    from kvmesh.movers import to_device
-
-    load = to_device(list(srcs), spec, device, min_copy_bytes=min_copy_bytes, out=out)
-    if not verify:  # the caller checks the bytes another way (benchmarks of the copies alone)
-        return load
-    n = len(srcs)
-    flat = load.staging.view(n, -1).view(torch.uint8)
-    last = next((e for e in reversed(load.events) if e is not None), None)
-    load.checks = [*load.checks, verify_on_side_stream([flat[i] for i in range(n)], expected, last, coefficients)]
-    return load

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvmesh import KVSpec
-from kvmesh.movers import gather_paged, scatter_paged, store_paged, to_device, to_host
+from bench.movers_paged import gather_paged, scatter_paged, store_paged, to_host
+from kvmesh.movers import to_device
 from kvmesh.tiers import checksum
 from kvmesh.tiers.cpu import CpuTier
 
@@ -76,13 +77,13 @@ def test_store_to_the_cpu_tier_and_layerwise_load_round_trip_bit_exact(tier, dty
         load.wait(layer)
     assert same(load.staging.cpu(), expect)
     tier.check_integrity(verify_checksums=True)
-    from kvmesh.movers import load_paged
+    from bench.movers_paged import load_paged
 
     targets = [torch.zeros_like(t) for t in layers]
     load_paged([v for _, v in reserved], spec, targets, table, batch_chunks=3).synchronize()
     assert same(gather_paged(targets, table).cpu(), expect)
     # a load and a store in one step, batches interleaved: the load lands, the store writes the other pages
-    from kvmesh.movers import load_and_store_paged
+    from bench.movers_paged import load_and_store_paged
 
     again = [torch.zeros_like(t) for t in layers]
     other = torch.randperm(64, generator=g)[:12].view(3, 4).cuda()
@@ -107,7 +108,7 @@ def test_store_does_not_wait_for_its_copies():
 
 def test_prefill_on_load_gives_recompute_tokens_on_the_gpu():
     from kvmesh.integrations.hf import _forward, _new_cache, generate, prefill_on_load, tiny_llama
-    from kvmesh.movers import gather_contiguous
+    from bench.movers_paged import gather_contiguous
 
     model = tiny_llama(3, vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2).cuda()
     spec = KVSpec("t", 4, 2, 32, "float32", chunk_tokens=32)
@@ -127,7 +128,7 @@ def test_prefill_on_load_gives_recompute_tokens_on_the_gpu():
 
 FRESH_PROCESS_STORE = r"""
 import time, torch
-from kvmesh.movers import gather_paged, store_paged
+from bench.movers_paged import gather_paged, store_paged
 layers = [torch.randn((2, 64, 16, 2, 64), device="cuda").to(torch.bfloat16) for _ in range(4)]
 table = torch.randperm(64, device="cuda")[:32].view(8, 4)
 hosts = [torch.zeros(4 * 2 * 64 * 2 * 64 * 2, dtype=torch.uint8).pin_memory() for _ in range(8)]
@@ -156,7 +157,9 @@ def test_the_first_side_stream_of_a_process_does_not_wait_for_a_busy_device(tmp_
 
     script = tmp_path / "fresh.py"
     script.write_text(FRESH_PROCESS_STORE)
-    env = dict(os.environ, CUDA_MODULE_LOADING="EAGER")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (bench/ is not installed)
+    env = dict(os.environ, CUDA_MODULE_LOADING="EAGER",
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     returned_s = float(out.stdout.split("returned_s")[1])

@@ -9,7 +9,8 @@ import torch
 
 from kvmesh import KVSpec
 from kvmesh.tiers.devsum import device_checksum, reference_checksum
-from kvmesh.tiers.gpu_ipc import (GpuIpcError, PoolMapper, export_for, read_chunks, read_to_device, write_chunks)
+from bench.gpu_ipc_layerwise import read_to_device
+from kvmesh.tiers.gpu_ipc import GpuIpcError, PoolMapper, export_for, read_chunks, write_chunks
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 SPEC = KVSpec("ipc", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", chunk_tokens=64)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvmesh.tiers.devsum import device_checksum, reference_checksum
-from kvmesh.tiers.gpu_ipc import PoolMapper, read_chunks, read_to_device, write_chunks
+from bench.gpu_ipc_layerwise import read_to_device
+from kvmesh.tiers.gpu_ipc import PoolMapper, read_chunks, write_chunks
 from tests.gpu.test_gpu_ipc import CB, SPEC, views
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -533,7 +533,10 @@ def test_what_the_pool_does_not_say_comes_from_the_server_args():
 
 @pytest.mark.parametrize("bad", [{"fetch_timeout_s": float("nan")}, {"fetch_timeout_s": float("inf")},
                                  {"fetch_timeout_s": 1e6}, {"generation_refresh_s": float("nan")},
-                                 {"fetch_timeout_s": 0}, {"cache_salt": ""}])
+                                 {"fetch_timeout_s": 0}, {"cache_salt": ""},
+                                 # unknown keys too (they were passed over: a typo fell back to the default),
+                                 # SGLang's own excepted (extra() has them)
+                                 {"fetch_timeout": 5}, {"generation_refresh": 1}])
 def test_bad_options_are_refused_at_construction_naming_them(bad):
     # SGLang's JSON takes NaN and Infinity: such a deadline was accepted, and every read then failed (a miss,
     # forever, behind healthy-looking exists counts)
@@ -542,7 +545,8 @@ def test_bad_options_are_refused_at_construction_naming_them(bad):
 
     (name,) = bad
     with pytest.raises(ValueError, match=name):
-        parse_options(bad)
+        parse_options(extra(**bad))
+    assert parse_options(extra())["generation_refresh_s"] == 0.2  # (SGLang's own keys pass)
 
 
 def test_a_ray_node_id_where_no_kvnode_runs_is_a_clear_error_naming_the_option(sgl_cluster):

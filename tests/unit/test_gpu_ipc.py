@@ -13,7 +13,8 @@ from kvmesh.tiers import checksum
 from kvmesh.tiers.devsum import (Coefficients, Verify, device_checksum, device_checksums, reference_checksum,
                                  verify_on_side_stream)
 from kvmesh.tiers.gpu import GpuTier
-from kvmesh.tiers.gpu_ipc import GpuIpcError, PoolExport, PoolMapper, read_chunks, read_to_device, write_chunks
+from bench.gpu_ipc_layerwise import read_to_device
+from kvmesh.tiers.gpu_ipc import GpuIpcError, PoolExport, PoolMapper, read_chunks, write_chunks
 
 NO_CUDA = not torch.cuda.is_available()
 

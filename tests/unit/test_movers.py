@@ -3,8 +3,8 @@
 import torch
 
 from kvmesh import KVSpec
-from kvmesh.movers import (gather_contiguous, gather_paged, layer_groups, scatter_contiguous, scatter_paged,
-                           to_device, to_host)
+from bench.movers_paged import gather_contiguous, gather_paged, scatter_paged, to_host
+from kvmesh.movers import layer_groups, scatter_contiguous, to_device
 
 SPEC = KVSpec("m", num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32", chunk_tokens=8)
 
@@ -70,7 +70,7 @@ def test_layer_groups_cover_every_layer_once_in_big_enough_pieces():
 
 
 def test_pipelined_paged_store_and_load_round_trip():
-    from kvmesh.movers import load_paged, store_paged
+    from bench.movers_paged import load_paged, store_paged
 
     spec = KVSpec("m", num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32", chunk_tokens=8)
     src = paged_layers(num_blocks=12)
@@ -83,7 +83,7 @@ def test_pipelined_paged_store_and_load_round_trip():
 
 
 def test_a_load_and_a_store_together_round_trip():
-    from kvmesh.movers import load_and_store_paged, store_paged
+    from bench.movers_paged import load_and_store_paged, store_paged
 
     spec = KVSpec("m", num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32", chunk_tokens=8)
     src = paged_layers(num_blocks=12)

@@ -485,7 +485,15 @@ def test_the_tiers_options_and_identity_are_checked():
     from kvmesh.integrations.vllm_tier import parse_tier_options, tier_spec
 
     for bad, name in (({"fetch_timeout": 1}, "fetch_timeout"), ({"verdict_ttl_s": -1}, "verdict_ttl_s"),
-                      ({"enable_kv_events": 1}, "enable_kv_events"), ({"locality": "far"}, "locality")):
+                      ({"enable_kv_events": 1}, "enable_kv_events"), ({"locality": "far"}, "locality"),
+                      # NaN and Infinity were let through (a NaN deadline fails every load), and so were
+                      # deadlines beyond the client's bound and verdicts trusted for more than an hour
+                      ({"fetch_timeout_s": float("nan")}, "fetch_timeout_s"),
+                      ({"fetch_timeout_s": float("inf")}, "fetch_timeout_s"),
+                      ({"fetch_timeout_s": 1e6}, "fetch_timeout_s"),
+                      ({"verdict_ttl_s": float("nan")}, "verdict_ttl_s"),
+                      ({"verdict_ttl_s": float("inf")}, "verdict_ttl_s"),
+                      ({"verdict_ttl_s": 7200}, "verdict_ttl_s")):
         with pytest.raises(ValueError, match=name):
             parse_tier_options(bad)
 

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from bench.common import median_time, save  # noqa: E402
-from kvmesh import dirscripts  # noqa: E402
+from kvmesh.directory import scripts as dirscripts  # noqa: E402
 from kvmesh.directory import SUMMARY_MIN, Directory, pack_hmget  # noqa: E402
 from kvmesh.local import RedisServer, redis_server_binary  # noqa: E402
 from kvmesh.tiers import TIER_CPU  # noqa: E402

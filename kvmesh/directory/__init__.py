@@ -67,7 +67,7 @@ Primitives:
                                                      Cluster both servers are asked before either answer is read):
                                                      `lookup` and every replica's last load report
 
-The scripts behind the mutating primitives and `node_table` are in `kvmesh.dirscripts`; the redis-py client
+The scripts behind the mutating primitives and `node_table` are in `kvmesh.directory.scripts`; the redis-py client
 (`connect`), `probe` and `DirectoryUnavailable` are in `kvmesh.redisconn` (re-exported here).
 """
 
@@ -88,7 +88,7 @@ import msgpack
 import numpy as np
 import redis
 
-from kvmesh import dirscripts
+from kvmesh.directory import scripts as dirscripts
 from kvmesh.redisconn import DirectoryUnavailable as DirectoryUnavailable  # re-exported: kvmesh.DirectoryUnavailable
 from kvmesh.redisconn import connect, primaries_config, primaries_info
 from kvmesh.redisconn import probe as probe  # re-exported

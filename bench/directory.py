@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from bench.common import median_time, save  # noqa: E402
-from kvmesh.directory import scripts as dirscripts  # noqa: E402
+from kvmesh.directory import scripts  # noqa: E402
 from kvmesh.directory import SUMMARY_MIN, Directory, pack_hmget  # noqa: E402
 from kvmesh.local import RedisServer, redis_server_binary  # noqa: E402
 from kvmesh.tiers import TIER_CPU  # noqa: E402
@@ -380,7 +380,7 @@ def node_figures(binary: str, nodes: int, repeat: int, clients: int) -> dict:
             # the node table as clients read it since issue 17 (the same script, sent whole with EVAL on a server
             # that reads script flags): whole (membership moved, or a new reader), and gated (nothing moved: only
             # the leases that lapse within the horizon come back)
-            table = dirscripts.no_writes(dirscripts.NODE_TABLE) if d.members.server_major() >= 7 else dirscripts.NODE_TABLE
+            table = scripts.no_writes(scripts.NODE_TABLE) if d.members.server_major() >= 7 else scripts.NODE_TABLE
             tkeys = [d.keys.epoch, d.keys.inc, d.keys.deadline, d.keys.info, d.keys.ver]
             d.node_table()
             horizon = str(d.table_horizon_ms)

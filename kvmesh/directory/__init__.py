@@ -14,7 +14,7 @@ Key layout (`P` is the configured key prefix; `records.Keys` names them):
     P:{n}:clock            string   the latest reading of Redis's clock (ms, to within a second) the lease scripts
                                     saw: a reading far behind it is a clock step back, and moves every lease back
     P:{n}:claim:<job>      string   short leases on jobs one node should do: the janitor round, one purge
-    P:{n}:specs:<model>    set      the canonical specs of a model that have stored (a miss can say "spec_mismatch")
+    P:{n}:specs:<model>    set      the canonical spec of each client of the model (a miss can say "spec_mismatch")
     P:{n}:load             hash     replica id -> msgpack [1, node_id, pending prefill tokens, queue depth]: the
                                     load each serving replica last reported (`report_load`)
     P:{n}:load_at          hash     replica id -> when it reported, ms on Redis's own clock (the leases' clock)
@@ -98,9 +98,8 @@ Prefix = tuple[list[tuple[Holder, ...]], str | None]
 
 
 class Directory:
-    """One process's client of the directory at `url`: the parts above over one redis-py client (`conn.redis`).
-    Each method is its part's (`members`, `entries`, `summaries`, `loads`); `lookup` and `lookup_with_loads`
-    combine their reads with the live prefix."""
+    """A process's client of the directory at `url`: its parts (`members`, `entries`, `summaries`, `loads`, over
+    `conn`), whose methods these are; `lookup` and `lookup_with_loads` judge what they read by the live prefix."""
 
     def __init__(self, url: str, prefix: str = "kvmesh", timeout_s: float = 2.0) -> None:
         self.url, self.prefix = url, prefix
@@ -121,8 +120,7 @@ class Directory:
 
     @property
     def redirects(self) -> int:
-        """Redis Cluster MOVED/ASK answers followed (a resharding)."""
-        return self.conn.redirects
+        return self.conn.redirects  # Redis Cluster MOVED/ASK answers followed (a resharding)
 
     @property
     def table_horizon_ms(self) -> int:

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from bench.common import median_time, save  # noqa: E402
-from kvmesh import dirscripts  # noqa: E402
+from kvmesh.directory import scripts  # noqa: E402
 from kvmesh.directory import SUMMARY_MIN, Directory, pack_hmget  # noqa: E402
 from kvmesh.local import RedisServer, redis_server_binary  # noqa: E402
 from kvmesh.tiers import TIER_CPU  # noqa: E402
@@ -182,7 +182,7 @@ def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
         unsummarized = chunk_hashes(spec.namespace, as_tokens(toks3), 256)
         d.register(lease, TIER_CPU, unsummarized[0], unsummarized)
         cold = Directory(server.url, PREFIX)
-        cold._write_later = lambda *a: None  # (this reader never writes summaries)
+        cold.summaries.write_later = lambda *a: None  # (this reader never writes summaries)
         for hs in (hashes, part):
             d.lookup(hs[0], hs, table, chained=True)
         d.flush_summaries()
@@ -245,12 +245,12 @@ def lookup_figures(binary: str, repeat: int, clients: int) -> dict:
             # a store's registration: the register script over a request's new chunks (4 here), as a node sends it
             fields = [k[:6].decode() for k in keys[:4]]
             # (the same 4 entries written again as they are: no change, the summaries stay)
-            reg = redis_benchmark(server.port, ["EVALSHA", d._register.sha, "2", key, d.summary_key(group),
+            reg = redis_benchmark(server.port, ["EVALSHA", d.entries.register_script.sha, "2", key, d.summary_key(group),
                                                 str(lease.incarnation), "1", "8", *fields, str(SUMMARY_MIN)],
                                   100_000, clients)
             # and one that changes the group nearly every time (a random tier of 3: the summaries cleared, a new
             # version)
-            flip = redis_benchmark(server.port, ["EVALSHA", d._register.sha, "2", key, d.summary_key(group),
+            flip = redis_benchmark(server.port, ["EVALSHA", d.entries.register_script.sha, "2", key, d.summary_key(group),
                                                  str(lease.incarnation), "__rand_int__", "8", *fields,
                                                  str(SUMMARY_MIN)], 100_000, clients, ["-r", "3"])
             out["L"] = {"get_per_s": get_rps, "clients": clients, "by_prompt_chunks": rows,
@@ -276,7 +276,7 @@ def listpack_figures(binary: str, repeat: int) -> dict:
         r = server.connect()
         d = Directory(server.url, PREFIX)
         cold = Directory(server.url, PREFIX)
-        cold._write_later = lambda *a: None  # (this reader never writes summaries)
+        cold.summaries.write_later = lambda *a: None  # (this reader never writes summaries)
         lease = d.join(node_info(0), 3_600_000)
         table = d.node_table()
         conn, raw_get = get_baseline(r)
@@ -365,7 +365,7 @@ def node_figures(binary: str, nodes: int, repeat: int, clients: int) -> dict:
         table = d.node_table()
         assert len(table.live) == nodes
         r = server.connect()
-        keys = [d._k_epoch, d._k_inc, d._k_deadline, d._k_info]
+        keys = [d.keys.epoch, d.keys.inc, d.keys.deadline, d.keys.info]
         payload = sum(len(f) + len(v) for k in keys[1:] for f, v in _rows(r, k))  # what a whole read returns
         table_s = median_time(d.node_table, max(20, repeat // 20))
         out = {"nodes": nodes, "node_table_client_ms": table_s * 1e3, "node_table_payload_bytes": payload,
@@ -374,19 +374,20 @@ def node_figures(binary: str, nodes: int, repeat: int, clients: int) -> dict:
             d.heartbeat(leases[0], 5000)  # (loads the script)
             lease = leases[nodes // 2]
             out["heartbeats_per_s"] = redis_benchmark(server.port, [
-                "EVALSHA", d._heartbeat.sha, "5", d._k_epoch, d._k_inc, d._k_deadline, d._k_clock, d._k_info,
+                "EVALSHA", d.members.heartbeat_script.sha, "5",
+                d.keys.epoch, d.keys.inc, d.keys.deadline, d.keys.clock, d.keys.info,
                 lease.node_id, str(lease.incarnation), lease.epoch.decode(), "5000", ""], 100_000, clients)
             # the node table as clients read it since issue 17 (the same script, sent whole with EVAL on a server
             # that reads script flags): whole (membership moved, or a new reader), and gated (nothing moved: only
             # the leases that lapse within the horizon come back)
-            table = dirscripts.no_writes(dirscripts.NODE_TABLE) if d._server_major() >= 7 else dirscripts.NODE_TABLE
-            tkeys = [d._k_epoch, d._k_inc, d._k_deadline, d._k_info, d._k_ver]
+            table = scripts.no_writes(scripts.NODE_TABLE) if d.members.server_major() >= 7 else scripts.NODE_TABLE
+            tkeys = [d.keys.epoch, d.keys.inc, d.keys.deadline, d.keys.info, d.keys.ver]
             d.node_table()
             horizon = str(d.table_horizon_ms)
             out["node_table_reads_per_s"] = redis_benchmark(server.port, [
                 "EVAL", table, "5", *tkeys, "", "", horizon], 2_000, clients)
             out["node_table_gated_reads_per_s"] = redis_benchmark(server.port, [
-                "EVAL", table, "5", *tkeys, d._table_ver.decode(), d._table_epoch.decode(), horizon], 100_000,
+                "EVAL", table, "5", *tkeys, *(x.decode() for x in d.members.table_version()), horizon], 100_000,
                 clients)
             assert d.heartbeat(lease, 5000) == "ok"
             out["get_per_s"] = redis_benchmark(server.port, ["GET", f"{PREFIX}:{{n}}:epoch"], 100_000, clients)

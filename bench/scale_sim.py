@@ -28,7 +28,6 @@ import multiprocessing as mp
 import os
 import random
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,9 +63,10 @@ def reader(d, refresh_s: float):
     """A Directory sharing `d`'s connections but with a node-table cache of its own (one per simulated KVNode), as
     a KVNode that refreshes every `refresh_s` sets it up."""
     from kvmesh.directory import horizon_for
+    from kvmesh.directory.membership import Membership
 
     r = copy.copy(d)
-    r._table_lock, r._table_ver, r._table_epoch, r._rows = threading.Lock(), b"", b"", {}
+    r.members = Membership(d.redis, d.keys)
     r.table_horizon_ms = horizon_for(refresh_s)
     return r
 
@@ -133,10 +133,10 @@ def worker(p: int, procs: int, url: str, args, incs, kill_at, stop_at: float, ou
             if due_tr[i] <= now:
                 due_tr[i] += args.refresh_s
                 if kill_at[i] == 0:
-                    before = views[i]._read.__self__._table_ver
+                    before = views[i]._read.__self__.members.table_version()[0]
                     views[i].refresh()
                     counts["table_reads"] += 1
-                    counts["whole_table_reads"] += views[i]._read.__self__._table_ver != before
+                    counts["whole_table_reads"] += views[i]._read.__self__.members.table_version()[0] != before
         if janitor is not None and now >= next_j:
             next_j = now + args.heartbeat_s
             janitor.round()
@@ -227,7 +227,7 @@ def main() -> None:
         probe = reader(d, args.refresh_s)
         s0 = shard_stats([nport])[0]
         for _ in range(200):
-            probe._table_ver = b""
+            probe.members.forget_table()
             probe.node_table()
         s1 = shard_stats([nport])[0]
         for _ in range(2000):

@@ -148,7 +148,7 @@ def test_a_client_used_from_short_lived_threads_keeps_a_bounded_number_of_connec
             t.join()
         gc.collect()
         assert hits == [2 * CH] * 150
-        assert len(c.directory._thread_conns) <= 2  # (the last thread's, and one being replaced)
+        assert c.directory.conn.thread_connections() <= 2  # (the last thread's, and one being replaced)
         # on the server: not one per thread (150); the node in this process may have opened a few of its own since
         # (its threads share one pool, which grows with how many of them met at once)
         assert redis_clients(node) <= before + 8

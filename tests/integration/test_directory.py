@@ -61,8 +61,8 @@ def test_a_refresh_without_membership_change_reads_only_the_leases_about_to_laps
         big = lambda n: NodeInfo(n, f"kvnode-{n}", "/dev/shm/" + "x" * 300, 1024, 64)  # noqa: E731
         leases = {f"N{i:03d}": writer.join(big(f"N{i:03d}"), lease_ms=60_000) for i in range(200)}
         replies = []  # what the reader's table script returned, each time (the real script, on the real server)
-        script = reader._node_table
-        reader._node_table = lambda **kw: replies.append(script(**kw)) or replies[-1]
+        script = reader.members.table_script
+        reader.members.table_script = lambda **kw: replies.append(script(**kw)) or replies[-1]
         assert len(reader.node_table().by_node()) == 200
         for lease in list(leases.values())[:50]:
             assert writer.heartbeat(lease, 60_000) == "ok"

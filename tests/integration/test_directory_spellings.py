@@ -135,7 +135,7 @@ def test_same_server_on_a_single_master_redis_cluster():
 
 
 def test_a_node_starts_on_a_single_master_redis_cluster(tmp_path):
-    """(directory.Directory._server_major and server_identity: the same folding) a KVNode cannot start on a one-master
+    """(Membership.server_major and server_identity: the same folding) a KVNode cannot start on a one-master
     Redis Cluster: AttributeError 'str' object has no attribute 'get'."""
     with RedisClusterServers(masters=1) as rc:
         _node_with(rc.url, tmp_path).shutdown()

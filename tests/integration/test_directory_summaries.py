@@ -169,7 +169,7 @@ def test_a_summary_read_before_a_change_is_not_written_after_it(d, private_redis
     values = d.lookup_raw(g, hashes)
     d.unregister(a, g, [hashes[10]])  # between the read and the write
     name = hashes[B - 1][:6]
-    assert d._summarize(keys=[skey], args=[version, 4096, name, pack_summary(values[:B])]) == 0
+    assert d.summaries.summarize_script(keys=[skey], args=[version, 4096, name, pack_summary(values[:B])]) == 0
     assert r.hget(skey, name) is None
     got, want = settled(d, hashes)
     assert got == want and len(got[0]) == 10

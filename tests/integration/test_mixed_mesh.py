@@ -125,7 +125,7 @@ def test_one_node_record_of_a_later_release_does_not_take_the_mesh_down(mesh, ra
         for h in kvmesh.mesh.node_actors().values():  # each node still relays its table (every 0.2 s)
             slab = NodeHello.unpack(ray.get(h.hello.remote(), timeout=10)).info.slab_path
             assert time.time() - os.stat(slab + ".nodes").st_mtime < 1.0
-        assert d._redis.zscore(d._k_deadline, _NewerNodeInfo.node_id) is not None  # not purged
+        assert d.redis.zscore(d.keys.deadline, _NewerNodeInfo.node_id) is not None  # not purged
     finally:
         d.leave(newer)
         d.close()

@@ -25,8 +25,8 @@ class Counted:
 
     def __init__(self, directory) -> None:
         self.calls = 0
-        self._read = directory._node_table
-        directory._node_table = self
+        self._read = directory.members.table_script
+        directory.members.table_script = self
 
     def __call__(self, **kw):
         self.calls += 1

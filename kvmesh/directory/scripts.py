@@ -1,7 +1,8 @@
-"""The directory's Lua scripts (`kvmesh.directory.Directory` registers and runs them). Each runs atomically on one
-Redis Cluster slot: the node keys' `{n}` for membership, leases and load reports; one group's `{<h1 hex>}` for holder
-entries. Key layout, value formats and what each primitive mutates: `kvmesh.directory`'s docstring. A holders value
-as these scripts read and write it must match `kvmesh.directory.HOLDERS_VERSION` and its `_HOLDER` struct.
+"""The directory's Lua scripts (the parts of `kvmesh.directory` register and run them: membership, entries,
+summaries, loads). Each runs atomically on one Redis Cluster slot: the node keys' `{n}` for membership, leases and
+load reports; one group's `{<h1 hex>}` for holder entries. Key layout: `kvmesh.directory`'s docstring; what each
+primitive mutates: its part's. A holders value as these scripts read and write it must match
+`kvmesh.directory.records`' HOLDERS_VERSION and HOLDER struct.
 
     CLOCK_LUA     Redis's clock for a lease deadline; a step back moves every deadline back with it
     JOIN          a node joins: new incarnation, lease, info; epoch created if missing; a new membership version

@@ -21,6 +21,8 @@ Key layout (`P` is the configured key prefix; `records.Keys` names them):
     P:g:{<h1 hex>}         hash     chunk hash, first 6 bytes -> 0x02 then (inc u32 LE, tier u8) per holder
     P:o:<inc>              set      the groups incarnation <inc> has entries in: its purge reads only these (a
                                     group leaves it when the node's last chunk of that group does)
+    P:sglang:{<root>}:gen  string   the generation of one (spec, salt) root: a clear raises it, and it names the
+                                    group the root's SGLang pages register in (`generations`)
     P:s:{<h1 hex>}         hash     the group's summaries, in a group of at least SUMMARY_MIN entries: `v` -> the
                                     group's version (a new one at every change of an entry: Redis's clock, us), and
                                     per summary the field of the chain hash at a bucket's last position -> the
@@ -34,7 +36,6 @@ and beside the directory, in the same database (the modules named own them):
     P:{n}:events           list     the latest EVENTS_KEPT events, newest first (telemetry.Records)
     P:r:{<h1 hex>}         zset     node_id scored by when it last pulled from the group: its distinct readers
                                     within a window, which decide whether a pulled chunk is kept (replication.py)
-    P:sglang:{<root>}:gen  string   the generation of one SGLang (spec, salt) root (integrations/sglang.py)
 
 All node keys share the hash tag `{n}`, so the node table is read in one round trip and the scripts that change it
 touch one Redis Cluster slot. A prompt's chunks all live in the group of its first chunk's hash h_1 (tag
@@ -49,12 +50,11 @@ Holder entries name an incarnation, never just a node. An entry is live only whi
 current one and that node's lease deadline has not passed; readers drop everything else (`prefix.live_prefix`), so
 entries of dead or superseded incarnations are never returned.
 
-The parts (`Directory` composes them; each module's docstring lists the primitives it owns): `records` (Lease,
-Holder, LoadRecord, NodeTable, the key names, the holders value's encoding, the constants), `prefix` (the live
-prefix of a prompt's entries over a NodeTable: pure, no Redis), `conn` (each thread's connections; the packed send,
-redirect and fallback, written once), `membership` (nodes, leases, the node table), `entries` (holder entries, own
-indexes, purge), `summaries` (a long chained prompt's lookup), `loads` (load reports), `scripts` (the Lua). The
-redis-py client (`connect`), `probe` and `DirectoryUnavailable` are in `kvmesh.redisconn` (re-exported here).
+The parts (`Directory` composes them; each module's docstring lists what it owns): `records` (the records, key
+names, value encoding, constants), `prefix` (the live prefix over a NodeTable: pure), `conn` (connections; the one
+packed send, redirect and fallback), `membership` (nodes, leases, the node table), `entries` (holder entries, own
+indexes, purge), `summaries` (long chained lookups), `loads` (load reports), `generations` (clear counters),
+`scripts` (the Lua). `connect`, `probe` and `DirectoryUnavailable` are `kvmesh.redisconn`'s (re-exported here).
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ import redis
 
 from kvmesh.directory.conn import Conn, pack_hmget  # noqa: F401 (the names a caller imports from here)
 from kvmesh.directory.entries import Entries
+from kvmesh.directory.generations import Generations
 from kvmesh.directory.loads import Loads
 from kvmesh.directory.membership import Membership
 from kvmesh.directory.prefix import live_prefix, longest_prefix
@@ -112,6 +113,7 @@ class Directory:
         self.entries = Entries(self.conn, self.keys, self.decode_holders)
         self.summaries = Summaries(self.conn, self.keys, self.entries)
         self.loads = Loads(self.conn, self.keys)
+        self.generations = Generations(self.conn.redis, prefix)
         self.summary_counts = self.summaries.counts
 
     @property
@@ -261,9 +263,7 @@ class Directory:
         holders, why = self.longest_prefix_why(values, table, prefer, newer)
         return holders, why, loads
 
-    def longest_prefix(
-        self, values: list[bytes | None], table: NodeTable, prefer: str | None = None
-    ) -> list[tuple[Holder, ...]]:
+    def longest_prefix(self, values: list[bytes | None], table: NodeTable, prefer: str | None = None) -> list:
         return self.longest_prefix_why(values, table, prefer)[0]
 
     def longest_prefix_why(

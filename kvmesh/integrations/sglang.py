@@ -25,7 +25,7 @@ keys say. Byte layout (written down once):
 
     root  = hashing.root_hash(spec.namespace, cache_salt)
     gen   = the generation of (spec, salt): an integer in Redis at  P:sglang:{<root hex>}:gen  (created at a random
-            number: see _GEN_AT_LEAST)
+            number: see kvmesh.directory.generations)
     group = BLAKE2b-128(root ‖ gen as <u8,                        person=b"kvmesh.sglgrp")
     key_i = BLAKE2b-128(group ‖ SGLang page key i as UTF-8,       person=b"kvmesh.sglang")
 
@@ -65,8 +65,9 @@ children.
 # The parts: what a host pool's pages are (spec, keys, layout views), the generation counter, and the backend.
 # SGLang loads the backend from this module by name (module_path "kvmesh.integrations.sglang", class_name
 # "KVMeshStorage"), and the names below are what tests and users import from it.
+from kvmesh.directory.generations import GEN_START, generation_group, generation_key
 from kvmesh.integrations.identity import local_model_id, model_fingerprint  # noqa: F401 (API)
-from kvmesh.integrations.sglang_generation import GEN_START, GenerationCounter, generation_group, generation_key
+from kvmesh.integrations.sglang_generation import GenerationCounter
 from kvmesh.integrations.sglang_spec import (
     LAYOUTS,
     SGLANG_FORMAT_VERSION,

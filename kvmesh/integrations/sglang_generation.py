@@ -1,57 +1,28 @@
 """The generation counter of the SGLang backend: `clear()` starts a new generation of a (spec, salt), cluster-wide
 (see kvmesh.integrations.sglang for the key layout).
 
-    generation_key(key_prefix, root) -> str      the Redis key of the counter
-    generation_group(root, generation) -> bytes  the directory group of one generation
     GenerationCounter                            KVMeshStorage's part that reads, puts back and raises the counter
+                                                 (stored by the directory: `Directory.generations`)
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import secrets
 import threading
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from kvmesh.hashing import HASH_BYTES
+from kvmesh.directory.generations import fresh_start, generation_group
 
 if TYPE_CHECKING:
     from kvmesh.client import KVMeshClient
 
 log = logging.getLogger("kvmesh.sglang")
-# the generation counter, raised to at least ARGV[1] (what the caller knows), then by ARGV[2]: one atomic step. A
-# counter that is not there starts at ARGV[3], a random number (GEN_START): a Redis that lost the counter (its data)
-# while every engine that knew it restarted must not send them back to a generation the nodes still hold pages of
-# from before a clear (they re-register everything they hold after such a loss). So a generation is never 0 either.
 # Only an engine that read the counter lately (`_trust_s`) puts back what it knows: one idle since then may have
-# missed a clear, and putting back the generation that clear left would bring its pages back for everyone.
-_GEN_AT_LEAST = """
-local v = tonumber(redis.call('GET', KEYS[1]) or ARGV[3])
-if v < tonumber(ARGV[1]) then v = tonumber(ARGV[1]) end
-v = v + tonumber(ARGV[2])
-redis.call('SET', KEYS[1], v)
-return v
-"""
-GEN_START = 1 << 40  # a missing counter starts at a random number in [1, GEN_START] (exact in Lua's doubles and in
-# every number-to-string conversion Redis's Lua makes; a clash with one earlier generation: 2^-40)
-
-
-def _gen_start() -> int:
-    return 1 + secrets.randbelow(GEN_START)
-
-
-def generation_key(key_prefix: str, root: bytes) -> str:
-    """The Redis key of the generation counter of (spec, salt) `root` (see the module docstring)."""
-    return f"{key_prefix}:sglang:{{{root.hex()}}}:gen"
-
-
-def generation_group(root: bytes, generation: int) -> bytes:
-    return hashlib.blake2b(
-        root + generation.to_bytes(8, "little"), digest_size=HASH_BYTES, person=b"kvmesh.sglgrp"
-    ).digest()
+# missed a clear, and putting back the generation that clear left would bring its pages back for everyone. The
+# counter itself (its key, the atomic raise, why a missing one starts at a random number) is the directory's
+# (`kvmesh.directory.generations`).
 
 
 class GenerationCounter:
@@ -68,10 +39,6 @@ class GenerationCounter:
     _gen_at: float  # when the counter was last asked for
     _gen_seen_at: float  # when it was last read (or put back) by this engine
     _gen_lost_at: float  # when this engine, too long idle to put it back, first found it missing
-
-    def _gen_key(self) -> str:
-        assert self.client is not None, "registered"
-        return generation_key(self.client.config.key_prefix, self._root)
 
     def _trust_s(self) -> float:
         """How lately this engine must have read the counter to put back, when it is missing, the generation it
@@ -92,7 +59,7 @@ class GenerationCounter:
                 client = self.client  # (the one of `_root` now: a re-registration may have switched both)
                 try:
                     assert client is not None, "registered"
-                    gen = self._read_generation(client.directory.redis, now)
+                    gen = self._read_generation(client.directory.generations, now)
                 except Exception as e:  # Redis away: keep the last generation
                     self.counts["sglang_generation_errors"] += 1
                     log.debug("kvmesh: generation read failed: %s", e)
@@ -105,18 +72,17 @@ class GenerationCounter:
                     self._generation, self._group = gen, generation_group(self._root, gen)
         return self._group
 
-    def _read_generation(self, r, now: float) -> int | None:
+    def _read_generation(self, g, now: float) -> int | None:
         """The counter's value, put back first where it is missing or lower than what this engine knows and may
         vouch for (it read the counter within `_trust_s`); None: missing, and this engine may not put it back yet."""
-        key = self._gen_key()
-        raw = r.get(key)
+        raw = g.read(self._root)
         vouch = bool(self._generation) and now - self._gen_seen_at <= self._trust_s()
         if raw is None:  # a new spec and salt, or a directory that lost the counter (its data, an older snapshot)
             if vouch:  # put back the generation this engine knows
-                raw = r.eval(_GEN_AT_LEAST, 1, key, self._generation, 0, self._generation)
+                raw = g.raise_to(self._root, self._generation, 0, self._generation)
             elif not self._generation or now - (self._gen_lost_at or now) >= self._trust_s():
                 # a first engine of this spec, or nobody who could vouch put it back in time: a random start
-                raw = r.eval(_GEN_AT_LEAST, 1, key, 0, 0, _gen_start())
+                raw = g.raise_to(self._root, 0, 0, fresh_start())
             else:  # an engine idle since its last read may have missed a clear: wait for one that has not
                 if not self._gen_lost_at:
                     self._gen_lost_at = now
@@ -132,8 +98,8 @@ class GenerationCounter:
             # put back what this engine knows, or a later clear would reuse a generation whose pages the nodes
             # still hold (and re-register after such a loss): cleared pages back. One that cannot vouch for it
             # knows only that neither number is safe: a fresh one, above both
-            at_least = self._generation if vouch else self._generation + _gen_start()
-            gen = int(r.eval(_GEN_AT_LEAST, 1, key, at_least, 0, _gen_start()))
+            at_least = self._generation if vouch else self._generation + fresh_start()
+            gen = g.raise_to(self._root, at_least, 0, fresh_start())
         self._gen_seen_at, self._gen_lost_at = now, 0.0
         return gen
 
@@ -143,14 +109,14 @@ class GenerationCounter:
         if self.client is None:
             return
         try:
-            r = self.client.directory.redis
+            directory = self.client.directory
             old = self._refresh_generation(force=True)
             # (never a generation seen before: above what this engine knows, and where the counter is missing and
             # that may be out of date (`_read_generation`), above anything it could have been since)
-            at_least = self._generation if old else self._generation + _gen_start()
-            gen = int(r.eval(_GEN_AT_LEAST, 1, self._gen_key(), at_least, 1, _gen_start()))
+            at_least = self._generation if old else self._generation + fresh_start()
+            gen = directory.generations.raise_to(self._root, at_least, 1, fresh_start())
             if old:
-                r.delete(*self.client.directory.group_keys(old))  # (its entries and its summaries: one slot)
+                directory.redis.delete(*directory.group_keys(old))  # (its entries and its summaries: one slot)
             with self._gen_lock:  # (it wrote the counter: it knows the current generation)
                 self._generation, self._group = gen, generation_group(self._root, gen)
                 self._gen_seen_at, self._gen_lost_at = time.monotonic(), 0.0

@@ -128,17 +128,12 @@ def test_r5_64_workers_mixed_load_under_eviction_pressure(mesh):
 
 # -- R6: fuzzing -------------------------------------------------------------------------------------------------------
 @pytest.fixture
-def plain_node(private_redis, tmp_path):
+def plain_node(private_redis, make_node):
     import redis
 
-    from kvmesh.config import KVMeshConfig
-    from tests.integration.nodes import WireNode
-
     redis.Redis.from_url(private_redis.url).flushall()
-    n = WireNode(KVMeshConfig(redis_url=private_redis.url, key_prefix="fz", cpu_bytes=16 * 4096, slot_bytes=4096,
-                            lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path)), "node-f" * 4, "kvnode-f")
-    yield n
-    n.shutdown()
+    return make_node("node-f" * 4, "kvnode-f", wire=True, redis_url=private_redis.url, key_prefix="fz",
+                     cpu_bytes=16 * 4096, slot_bytes=4096)
 
 
 def test_r6_fuzzed_messages_get_typed_errors_and_the_node_keeps_serving(plain_node):

@@ -10,6 +10,8 @@ checked against what was stored.
   R5  64 workers, mixed store/lookup/fetch, eviction          0 lost or torn chunks, resident memory within 5 %
   R6  fuzzed wire messages, data-server frames, public API    typed errors only, no actor crash
 
+The scenarios and their helpers are tests/chaos/ (scenarios.py, chaoskit.py, fuzz.py).
+
 Run: .venv/bin/python bench/chaos.py [--minutes 10] [--only R5] [--fetches 10000] [--cycles 5]
 """
 
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,43 +28,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 from bench.common import save  # noqa: E402
 
 MiB = 1 << 20
-
-
-def r6(mesh, examples: int) -> dict:
-    """Fuzzing: a KVNode as a plain class (and its data server), a KVNode actor, the public API."""
-    import kvmesh
-    from bench import fuzz
-    from bench.chaoskit import make_spec
-    from bench.scenarios import _actors
-    from kvmesh.config import KVMeshConfig
-    from kvmesh.handle import KVNodeActor
-    from kvmesh.local import RedisServer
-    from kvmesh.node import KVNode
-
-    out = {"figure": "R6"}
-    t0 = time.monotonic()
-    with RedisServer() as rs, tempfile.TemporaryDirectory() as shm:
-        node = KVNode(KVMeshConfig(redis_url=rs.url, key_prefix="fz", cpu_bytes=16 * 4096, slot_bytes=4096,
-                                   lease_s=2.0, heartbeat_s=0.2, shm_dir=shm), "node-f" * 4, "kvnode-f")
-        try:
-            # wire messages go to the node's wire edge (what the actor runs), as in tests/integration/test_chaos.py;
-            # the KVNode object's own methods take typed arguments
-            out["node"] = fuzz.fuzz_node(KVNodeActor.around(node), examples, derandomize=False)
-            out["data_server"] = fuzz.fuzz_data_server(node, examples // 10, derandomize=False)
-            node.check_integrity(directory=True)
-            out["node_integrity_after"] = "ok"
-        finally:
-            node.shutdown()
-    out["actor"] = fuzz.fuzz_actor(_actors()[mesh.node_ids[-1]], examples // 10, derandomize=False)
-    c = kvmesh.connect(make_spec("chaos-fuzz"))
-    try:
-        out["api"] = fuzz.fuzz_api(c, examples // 2, derandomize=False)
-    finally:
-        c.close()
-    out["seconds"] = time.monotonic() - t0
-    out["goal"] = "typed errors only; no actor crash"
-    out["ok"] = True  # any other outcome raises out of the fuzzers (with hypothesis's smallest example)
-    return out
 
 
 def main() -> None:
@@ -83,8 +47,8 @@ def main() -> None:
     only = set(args.only or ["R1", "R2", "R3", "R4", "R5", "R6"])
 
     import kvmesh
-    from bench import scenarios
     from kvmesh.local import LocalRayCluster, RedisServer
+    from tests.chaos import scenarios
 
     redis_server = RedisServer()
     cluster = LocalRayCluster(3, num_cpus=2, object_store_bytes=200 * MiB)
@@ -126,7 +90,7 @@ def main() -> None:
             run("R5", scenarios.r5_mixed_load, cfg, nodes, workers=args.workers, seconds=args.minutes * 60,
                 warmup_frac=0.5, seed=5 + args.seed)
         if "R6" in only:
-            run("R6", r6, mesh, args.fuzz_examples)
+            run("R6", scenarios.r6_fuzz, mesh, args.fuzz_examples)
     finally:
         kvmesh.stop()
         cluster.shutdown()

@@ -67,6 +67,86 @@ def private_redis():
         yield server
 
 
+class NodeFactory:
+    """Makes KVNodes for a test: `make(node_id=None, actor_name=None, config=None, wire=False, restarted=False,
+    **overrides)`.
+
+    The config is `KVMeshConfig(**{**DEFAULTS, **overrides})` against `redis_url` (unless `overrides` names one),
+    with the slab under `shm_dir` and, when `disk_bytes` is set without a `disk_dir`, the disk tier under `disk_dir`
+    (each node claims a subdirectory of its own there); or, given `config`, that config with `overrides` replaced.
+    Without `node_id` a node gets a fresh one (32 hex digits, as Ray's). `wire=True` gives a
+    `tests.integration.nodes.WireNode` (wire messages in and out, as the actor) around the KVNode.
+    `config(**overrides)` is the config a node would get, without the node. Every node made is shut down at the end,
+    last made first (`shutdown` of a node already shut down, or dead, is a no-op)."""
+
+    DEFAULTS = dict(key_prefix="mk", cpu_bytes=32 * 64 * 1024, slot_bytes=64 * 1024, lease_s=2.0, heartbeat_s=0.2)
+
+    def __init__(self, root, redis_url=None) -> None:
+        import pathlib
+
+        self.root = pathlib.Path(root)
+        self.shm_dir = str(self.root / "shm")
+        self.disk_dir = str(self.root / "disk")
+        os.makedirs(self.shm_dir, exist_ok=True)
+        self._redis_url = redis_url
+        self.made: list = []
+
+    def redis_url(self) -> str:
+        return self._redis_url() if callable(self._redis_url) else self._redis_url
+
+    def config(self, **overrides):
+        from kvmesh.config import KVMeshConfig
+
+        opts = {**self.DEFAULTS, "shm_dir": self.shm_dir, **overrides}
+        if "redis_url" not in opts:
+            opts["redis_url"] = self.redis_url()
+        if opts.get("disk_bytes") and not opts.get("disk_dir"):
+            opts["disk_dir"] = self.disk_dir
+        return KVMeshConfig(**opts)
+
+    def __call__(self, node_id: str | None = None, actor_name: str | None = None, *, config=None, wire: bool = False,
+                 restarted: bool = False, **overrides):
+        import secrets
+
+        from kvmesh.node import KVNode
+
+        i = len(self.made)
+        cfg = self.config(**overrides) if config is None else config.replace(**overrides)
+        node = KVNode(cfg, node_id or f"{i:02x}{secrets.token_hex(15)}", actor_name or f"kvnode-{i:02d}",
+                      restarted=restarted)
+        self.made.append(node)
+        if wire:
+            from tests.integration.nodes import WireNode
+
+            return WireNode(node)
+        return node
+
+    def shutdown_all(self) -> None:
+        errors = []
+        while self.made:
+            try:
+                self.made.pop().shutdown()
+            except Exception as e:  # the others still go down
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown_all()
+
+
+@pytest.fixture
+def make_node(request, tmp_path):
+    """A `NodeFactory` for this test: nodes on the session's redis-server unless given a `redis_url`, under
+    tmp_path/shm (and tmp_path/disk), all shut down after the test. A test's own function-scoped redis-server
+    fixture goes before `make_node` in its arguments, so that the nodes are shut down before the server stops."""
+    with NodeFactory(tmp_path, lambda: request.getfixturevalue("redis_server").url) as factory:
+        yield factory
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):
     import time
 

@@ -1,12 +1,13 @@
-"""The chaos suite (issue 5), CI-sized, on the session's 3-node Ray cluster and KVNodes: faults injected into real
-parts while workers use the public API, every byte they get back checked. The scenarios live in bench/scenarios.py
-and bench/fuzz.py; bench/chaos.py runs the same ones long. Each test prints its figure (`pytest -s` shows it)."""
+"""Under injected faults (a node removed, Redis hung and restarted empty, flipped bits, evictions, fuzzed input),
+every byte a worker gets back through the public API is the byte stored, and failures are short reads or typed
+errors, never wrong data or a crashed KVNode. CI-sized runs on the session's 3-node Ray cluster and KVNodes of the
+scenarios in tests/chaos/ (bench/chaos.py runs the same ones long). Each test prints its figure (`pytest -s`)."""
 
 import json
 
 import pytest
 
-from bench import scenarios
+from tests.chaos import scenarios
 
 pytestmark = pytest.mark.chaos
 
@@ -36,7 +37,7 @@ def test_r1_a_node_ray_knows_is_gone_is_purged_without_waiting_for_its_lease(mes
 def test_a_chunk_evicted_between_lookup_and_fetch_makes_the_fetch_shorter_never_wrong(mesh):
     import ray
 
-    from bench.chaoskit import hashes_of, make_spec, on, prompt
+    from tests.chaos.chaoskit import hashes_of, make_spec, on, prompt
 
     a, b, _ = mesh.node_ids
     spec = make_spec("chaos-evict-race")
@@ -61,7 +62,7 @@ def test_concurrent_fetches_of_the_same_chunks_on_one_node_are_one_transfer(mesh
 
     import ray
 
-    from bench.chaoskit import KVSpec, on
+    from tests.chaos.chaoskit import KVSpec, on
 
     a, b, c = mesh.node_ids
     spec = KVSpec("chaos-coalesce", num_layers=4, num_kv_heads=4, head_dim=32, dtype="bfloat16", chunk_tokens=128)
@@ -127,22 +128,17 @@ def test_r5_64_workers_mixed_load_under_eviction_pressure(mesh):
 
 # -- R6: fuzzing -------------------------------------------------------------------------------------------------------
 @pytest.fixture
-def plain_node(private_redis, tmp_path):
+def plain_node(private_redis, make_node):
     import redis
 
-    from kvmesh.config import KVMeshConfig
-    from tests.integration.nodes import WireNode
-
     redis.Redis.from_url(private_redis.url).flushall()
-    n = WireNode(KVMeshConfig(redis_url=private_redis.url, key_prefix="fz", cpu_bytes=16 * 4096, slot_bytes=4096,
-                            lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path)), "node-f" * 4, "kvnode-f")
-    yield n
-    n.shutdown()
+    return make_node("node-f" * 4, "kvnode-f", wire=True, redis_url=private_redis.url, key_prefix="fz",
+                     cpu_bytes=16 * 4096, slot_bytes=4096)
 
 
 def test_r6_fuzzed_messages_get_typed_errors_and_the_node_keeps_serving(plain_node):
-    from bench.fuzz import fuzz_data_server, fuzz_node, valid_store
     from kvmesh.wire import pack_keys, unpack_chunk_header
+    from tests.chaos.fuzz import fuzz_data_server, fuzz_node, valid_store
 
     keys = [bytes([7, i]) * 8 for i in range(3)]
     assert plain_node.store(*valid_store(keys, keys[0], 4096)) == 3
@@ -155,7 +151,7 @@ def test_r6_fuzzed_messages_get_typed_errors_and_the_node_keeps_serving(plain_no
 
 
 def test_r6_fuzzed_messages_never_crash_a_kvnode_actor(mesh):
-    from bench.fuzz import fuzz_actor
+    from tests.chaos.fuzz import fuzz_actor
 
     actor = scenarios._actors()[mesh.node_ids[2]]
     r = report({"figure": "R6-actor", **fuzz_actor(actor, 80)})
@@ -164,8 +160,8 @@ def test_r6_fuzzed_messages_never_crash_a_kvnode_actor(mesh):
 
 def test_r6_fuzzed_public_api_raises_only_typed_errors(mesh):
     import kvmesh
-    from bench.chaoskit import make_spec
-    from bench.fuzz import fuzz_api
+    from tests.chaos.chaoskit import make_spec
+    from tests.chaos.fuzz import fuzz_api
 
     c = kvmesh.connect(make_spec("chaos-fuzz"))
     try:
@@ -176,11 +172,8 @@ def test_r6_fuzzed_public_api_raises_only_typed_errors(mesh):
 
 
 def test_bench_chaos_r6_fuzzes_the_wire_edge_not_the_typed_kvnode(mesh):
-    """bench/chaos.py's R6 (the long fuzz run) fed wire messages straight to a `KVNode` object, whose methods take
-    typed arguments since the wire edge moved to `handle.KVNodeActor`: its first `store` or `pull_through` example
-    died of an AttributeError ('int' object has no attribute 'nbytes'), so the long run never fuzzed anything."""
-    from bench.chaos import r6
-
-    r = report(r6(mesh, 40))
+    """R6 as bench/chaos.py runs it long (`scenarios.r6_fuzz`) fuzzes the wire edge a KVNode actor runs
+    (`handle.KVNodeActor`), not the KVNode object's typed methods: every example runs and the node stays intact."""
+    r = report(scenarios.r6_fuzz(mesh, 40))
     assert r["node"]["examples"] == 40 and r["node_integrity_after"] == "ok" and r["ok"], r
     assert r["actor"]["same_process_after"] == 1 and r["api"]["examples"] == 20, r

@@ -11,9 +11,7 @@ import redis
 import torch
 
 from kvmesh.client import connect_local
-from kvmesh.config import KVMeshConfig
 from kvmesh.hashing import root_hash
-from kvmesh.node import KVNode
 from kvmesh.spec import KVSpec
 
 SPEC = KVSpec("client-contract-model", 2, 2, 16, "bfloat16", chunk_tokens=16)
@@ -21,14 +19,11 @@ CH = SPEC.chunk_tokens
 
 
 @pytest.fixture
-def node(private_redis, tmp_path):
+def node(private_redis, make_node):
     redis.Redis.from_url(private_redis.url).flushall()
-    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="cc", cpu_bytes=32 * SPEC.chunk_bytes,
-                       slot_bytes=SPEC.chunk_bytes, lease_s=4.0, heartbeat_s=0.5, node_refresh_s=0.2,
-                       fetch_timeout_s=5.0, shm_dir=str(tmp_path))
-    n = KVNode(cfg, "c" * 32, "kvnode-c")
-    yield n
-    n.shutdown()
+    return make_node("c" * 32, "kvnode-c", redis_url=private_redis.url, key_prefix="cc",
+                     cpu_bytes=32 * SPEC.chunk_bytes, slot_bytes=SPEC.chunk_bytes, lease_s=4.0, heartbeat_s=0.5,
+                     node_refresh_s=0.2, fetch_timeout_s=5.0)
 
 
 def prompt(seed: int, chunks: int) -> tuple[list[int], torch.Tensor]:

@@ -4,7 +4,6 @@ other peers are still loaded from, and a fast run of this node's own slab behind
 own time, not the peer's. Three plain KVNodes against a real redis-server; the slow peer is its real data server
 made to wait before it answers."""
 
-import os
 import time
 
 import pytest
@@ -12,11 +11,9 @@ import torch
 
 from kvmesh import KVSpec
 from kvmesh.client import connect_local
-from kvmesh.config import KVMeshConfig
 from kvmesh.handle import LocalHandle
 from kvmesh.local import RedisServer
-from kvmesh.node import KVNode
-from tests.conftest import wait_until
+from tests.conftest import NodeFactory, wait_until
 
 SPEC = KVSpec("cost-learning", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", chunk_tokens=16)
 CH = SPEC.chunk_tokens
@@ -24,19 +21,13 @@ CH = SPEC.chunk_tokens
 
 @pytest.fixture
 def nodes(tmp_path):
-    with RedisServer() as server:
-        cfg = KVMeshConfig(redis_url=server.url, key_prefix="cl", cpu_bytes=64 * SPEC.chunk_bytes,
-                           slot_bytes=SPEC.chunk_bytes, lease_s=4.0, heartbeat_s=0.3, node_refresh_s=0.2,
-                           fetch_timeout_s=1.0, shm_dir=str(tmp_path))
-        os.makedirs(cfg.shm_dir, exist_ok=True)
-        made = [KVNode(cfg, ch * 32, f"kvnode-{ch}") for ch in "abc"]
+    with RedisServer() as server, NodeFactory(tmp_path, server.url) as make:
+        cfg = make.config(key_prefix="cl", cpu_bytes=64 * SPEC.chunk_bytes, slot_bytes=SPEC.chunk_bytes, lease_s=4.0,
+                          heartbeat_s=0.3, node_refresh_s=0.2, fetch_timeout_s=1.0)
+        made = [make(ch * 32, f"kvnode-{ch}", config=cfg) for ch in "abc"]
         for n in made:
             n.peers = lambda node, me=n: next((LocalHandle(p, me.node_id) for p in made if p.node_id == node), None)
-        try:
-            yield made
-        finally:
-            for n in made:
-                n.shutdown()
+        yield made
 
 
 def prompt(seed: int, chunks: int):

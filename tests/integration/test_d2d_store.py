@@ -11,7 +11,6 @@ import redis
 import torch
 
 from kvmesh import KVSpec
-from kvmesh.config import KVMeshConfig
 from kvmesh.handle import KVNodeActor, LocalHandle
 from kvmesh.node import KVNode
 from kvmesh.storequeue import StoreQueue
@@ -31,19 +30,15 @@ def k(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
 
-def make_node(private_redis, tmp_path, name: str, gpu_slots: int = 2, **kw) -> KVNode:
+def d2d_node(make_node, private_redis, name: str, gpu_slots: int = 2, **kw) -> KVNode:
     redis.Redis.from_url(private_redis.url).flushall()
-    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="d2d", cpu_bytes=4 * CB, slot_bytes=CB,
-                       gpu_bytes=gpu_slots * CB, gpu_device="cpu", lease_s=2.0, heartbeat_s=0.1,
-                       shm_dir=str(tmp_path), **kw)
-    return KVNode(cfg, name * 4, "kvnode-" + name)
+    return make_node(name * 4, "kvnode-" + name, redis_url=private_redis.url, key_prefix="d2d", cpu_bytes=4 * CB,
+                     slot_bytes=CB, gpu_bytes=gpu_slots * CB, gpu_device="cpu", heartbeat_s=0.1, **kw)
 
 
 @pytest.fixture
-def node(private_redis, tmp_path):
-    n = make_node(private_redis, tmp_path, "node-r")
-    yield n
-    n.shutdown()
+def node(private_redis, make_node):
+    return d2d_node(make_node, private_redis, "node-r")
 
 
 def chunk(i: int) -> torch.Tensor:
@@ -120,8 +115,8 @@ def test_a_commit_whose_sum_does_not_match_the_slot_registers_nothing(node):
     node.check_integrity(directory=True)
 
 
-def test_a_reservation_never_committed_is_released_after_the_pin_ttl(private_redis, tmp_path):
-    n = make_node(private_redis, tmp_path, "node-t", pin_ttl_s=0.3)
+def test_a_reservation_never_committed_is_released_after_the_pin_ttl(private_redis, make_node):
+    n = d2d_node(make_node, private_redis, "node-t", pin_ttl_s=0.3)
     try:
         gpu = n.cascade.gpu
         r = n.reserve_gpu(items(1, 2))  # the writer dies here
@@ -189,8 +184,8 @@ def test_slots_of_another_incarnation_are_not_written_and_go_back(node):
     node.check_integrity(directory=True)
 
 
-def test_a_node_without_a_gpu_tier_reserves_nothing_and_the_store_takes_the_host_path(private_redis, tmp_path):
-    n = make_node(private_redis, tmp_path, "node-n", gpu_slots=0)
+def test_a_node_without_a_gpu_tier_reserves_nothing_and_the_store_takes_the_host_path(private_redis, make_node):
+    n = d2d_node(make_node, private_redis, "node-n", gpu_slots=0)
     try:
         assert n.cascade.gpu is None
         assert n.reserve_gpu(items(1, 2)).slots == [None, None]

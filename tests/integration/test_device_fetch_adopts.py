@@ -4,16 +4,13 @@ This is what makes the vLLM connector's GPU load run at the speed of a pinned H2
 vllm`); on the CPU the planning and the sources are the same, so it runs in CI. A plain KVNode against a real
 redis-server."""
 
-import os
-
 import pytest
 import torch
 
 from kvmesh import KVSpec
 from kvmesh.client import connect_local
-from kvmesh.config import KVMeshConfig
 from kvmesh.local import RedisServer
-from kvmesh.node import KVNode
+from tests.conftest import NodeFactory
 
 SPEC = KVSpec("adopts", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=32)
 N, SLOTS = 64, 72  # the fetch covers most of the slab (as bench/gpu.py's vLLM load: 64 chunks, 72 slots)
@@ -21,16 +18,9 @@ N, SLOTS = 64, 72  # the fetch covers most of the slab (as bench/gpu.py's vLLM l
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("adopts")
-    with RedisServer() as server:
-        cfg = KVMeshConfig(redis_url=server.url, key_prefix="ad", cpu_bytes=SLOTS * SPEC.chunk_bytes,
-                           slot_bytes=SPEC.chunk_bytes, shm_dir=str(tmp), fetch_timeout_s=60.0, pin_ttl_s=30.0)
-        os.makedirs(cfg.shm_dir, exist_ok=True)
-        n = KVNode(cfg, "node-adopts-" * 4, "kvnode-adopts")
-        try:
-            yield n
-        finally:
-            n.shutdown()
+    with RedisServer() as server, NodeFactory(tmp_path_factory.mktemp("adopts"), server.url) as make:
+        yield make("node-adopts-" * 4, "kvnode-adopts", key_prefix="ad", cpu_bytes=SLOTS * SPEC.chunk_bytes,
+                   slot_bytes=SPEC.chunk_bytes, fetch_timeout_s=60.0, pin_ttl_s=30.0, lease_s=5.0, heartbeat_s=1.0)
 
 
 @pytest.mark.parametrize("deadline_s", [None, 5.0, 600.0])  # the config's 60 s, shorter and longer than the TTL

@@ -8,7 +8,6 @@ import time
 import numpy as np
 import pytest
 
-from kvmesh.config import KVMeshConfig
 from kvmesh.directory import Directory
 from kvmesh.local import RedisServer
 from kvmesh.node import KVNode
@@ -27,18 +26,12 @@ def server():
 
 
 @pytest.fixture
-def nodes(server, tmp_path):
-    made = []
-
+def nodes(server, make_node):
     def make(name: str, lease_s: float = 2.0, heartbeat_s: float = 0.2) -> KVNode:
-        cfg = KVMeshConfig(redis_url=server.url, key_prefix="dm", cpu_bytes=32 * SLOT, slot_bytes=SLOT,
-                           lease_s=lease_s, heartbeat_s=heartbeat_s, shm_dir=str(tmp_path / f"shm-{len(made)}"))
-        made.append(KVNode(cfg, name * 4, f"kvnode-{name}-{len(made)}"))
-        return made[-1]
+        return make_node(name * 4, f"kvnode-{name}-{len(make_node.made)}", redis_url=server.url, key_prefix="dm",
+                         cpu_bytes=32 * SLOT, slot_bytes=SLOT, lease_s=lease_s, heartbeat_s=heartbeat_s)
 
-    yield make
-    for n in made:
-        n.shutdown()
+    return make
 
 
 def store(node: KVNode, g: int, n: int = 4) -> list[bytes]:

@@ -1,4 +1,6 @@
-"""Disk tier under faults (KVNode objects in this process, real redis-server, real files)."""
+"""A disk tier under faults (writes refused or failing, corrupt records at restart, a close during hung I/O) keeps
+its I/O threads alive, ends and counts every write, never counts a refused chunk as saved, never writes into
+another file, and closes within its bound. KVNode objects in this process, real redis-server, real files."""
 
 import errno
 import os
@@ -8,12 +10,10 @@ import time
 import numpy as np
 import redis
 
-from kvmesh.config import KVMeshConfig
 from kvmesh.tiers import checksum
 from kvmesh.tiers.disk import HEADER, ChunkRead, DiskTier, aligned_buffer, claim_directory
 from kvmesh.wire import StoreItem, pack_keys, pack_store
 from tests.conftest import wait_until
-from tests.integration.nodes import WireNode
 
 SLOT = 4096
 G = b"g" * 16
@@ -29,11 +29,9 @@ def chunks(*ids: int, size: int = SLOT):
     return pack_store(items), np.concatenate(datas)
 
 
-def disk_node(private_redis, tmp_path, name="node-f" * 4, **kw):
-    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="hf", cpu_bytes=kw.pop("cpu_slots", 2) * SLOT,
-                       slot_bytes=SLOT, disk_dir=str(tmp_path / "disk"), disk_bytes=kw.pop("disk_slots", 8) * SLOT,
-                       lease_s=2.0, heartbeat_s=0.2, shm_dir=str(tmp_path), **kw)
-    return WireNode(cfg, name, "kvnode-f")
+def disk_node(private_redis, make_node, name="node-f" * 4, **kw):
+    return make_node(name, "kvnode-f", wire=True, redis_url=private_redis.url, key_prefix="hf", slot_bytes=SLOT,
+                     cpu_bytes=kw.pop("cpu_slots", 2) * SLOT, disk_bytes=kw.pop("disk_slots", 8) * SLOT, **kw)
 
 
 def flip(node, key: bytes) -> None:
@@ -46,14 +44,14 @@ def flip(node, key: bytes) -> None:
         f.write(bytes([b[0] ^ 1]))
 
 
-def test_a_start_up_verification_whose_erase_fails_does_not_kill_the_disk_io_threads(private_redis, tmp_path,
+def test_a_start_up_verification_whose_erase_fails_does_not_kill_the_disk_io_threads(private_redis, make_node,
                                                                                       monkeypatch):
     """Two chunks found corrupt at restart on a disk that now refuses writes (EIO / remounted read-only): erasing
     their commit records fails. Each failure killed the I/O thread that verified it (the OSError escaped
     `_io_loop`), so with both threads dead no disk write ever ran again: write-backs piled up, and the corrupt
     chunks stayed adopted and uncounted."""
     redis.Redis.from_url(private_redis.url).flushall()
-    node = disk_node(private_redis, tmp_path, write_policy="write_through")
+    node = disk_node(private_redis, make_node, write_policy="write_through")
     node.store(*chunks(1, 2, 3))
     wait_until(lambda: node.stats().get("disk_writes", 0) == 3, 5)
     flip(node, k(2))
@@ -66,7 +64,7 @@ def test_a_start_up_verification_whose_erase_fails_does_not_kill_the_disk_io_thr
     monkeypatch.setattr(DiskTier, "invalidate", refuse)
     died = []
     monkeypatch.setattr(threading, "excepthook", lambda a: died.append(a.thread.name))
-    again = disk_node(private_redis, tmp_path, write_policy="write_through")
+    again = disk_node(private_redis, make_node, write_policy="write_through")
     try:
         wait_until(lambda: again.stats().get("disk_recovered", 0) == 1, 5)
         wait_until(lambda: again.stats().get("disk_recovery_corrupt", 0) == 2, 5)
@@ -80,12 +78,12 @@ def test_a_start_up_verification_whose_erase_fails_does_not_kill_the_disk_io_thr
         again.shutdown()
 
 
-def test_a_demotion_the_disk_refuses_is_not_counted_as_a_saved_last_copy(private_redis, tmp_path):
+def test_a_demotion_the_disk_refuses_is_not_counted_as_a_saved_last_copy(private_redis, make_node):
     """A chunk other nodes read leaves the CPU slab for the disk, and the disk refuses the write (full): the chunk
     has left the node. It was counted `last_copy_saved_disk` when the write was queued and was never handed off,
     so the cluster's last copy of a chunk peers read was lost on every full or failing disk."""
     redis.Redis.from_url(private_redis.url).flushall()
-    node = disk_node(private_redis, tmp_path, recompute_bytes_per_s=1 << 20)
+    node = disk_node(private_redis, make_node, recompute_bytes_per_s=1 << 20)
     try:
         assert node.store(*chunks(1)) == 1
         header, data = node.pull(pack_keys([k(1)], "peer-node-b"))  # another node reads it
@@ -139,7 +137,7 @@ def test_closing_the_disk_tier_under_a_write_in_flight_never_writes_into_another
             os.close(fd)
 
 
-def test_disk_pending_io_counts_the_writes_in_flight(private_redis, tmp_path):
+def test_disk_pending_io_counts_the_writes_in_flight(private_redis, make_node):
     """`disk_pending_io` read the I/O queue's length only: a write an I/O thread had taken off the queue and was
     still doing was not pending, so "0 pending" came while writes were still landing (and a node killed then lost
     them)."""
@@ -147,10 +145,8 @@ def test_disk_pending_io_counts_the_writes_in_flight(private_redis, tmp_path):
 
     big = 8 << 20
     redis.Redis.from_url(private_redis.url).flushall()
-    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="hp", cpu_bytes=12 * big, slot_bytes=big,
-                       disk_dir=str(tmp_path / "disk"), disk_bytes=16 * big, lease_s=2.0, heartbeat_s=0.2,
-                       shm_dir=str(tmp_path), write_policy="write_through")
-    node = WireNode(cfg, "node-p" * 4, "kvnode-p")
+    node = make_node("node-p" * 4, "kvnode-p", wire=True, redis_url=private_redis.url, key_prefix="hp",
+                     cpu_bytes=12 * big, slot_bytes=big, disk_bytes=16 * big, write_policy="write_through")
     try:
         datas = [np.full(big, i, dtype=np.uint8) for i in range(10)]
         items = [StoreItem(G, k(i), big, checksum(d)) for i, d in enumerate(datas)]
@@ -165,7 +161,7 @@ def test_disk_pending_io_counts_the_writes_in_flight(private_redis, tmp_path):
         node.shutdown()
 
 
-def test_a_write_that_raises_no_oserror_is_still_ended(private_redis, tmp_path, monkeypatch):
+def test_a_write_that_raises_no_oserror_is_still_ended(private_redis, make_node, monkeypatch):
     """_io_loop's new guard keeps the thread alive, but the write that raised is never ended: finish_write never
     runs, so its disk slot stays 'writing' (pinned) for good, its buffer never goes back to the pool, the key stays
     in cascade._pending and node._leaving_to_disk, and the same key can never be stored again."""
@@ -178,7 +174,7 @@ def test_a_write_that_raises_no_oserror_is_still_ended(private_redis, tmp_path, 
         return real(self, slot, data, nbytes, key, *a, **kw)
 
     monkeypatch.setattr(DiskTier, "write_chunk", flaky)
-    node = disk_node(private_redis, tmp_path)
+    node = disk_node(private_redis, make_node)
     try:
         node.store(*chunks(1))
         node.store(*chunks(2, 3))  # evicts 1 from the 2-slot CPU tier: its demotion raises ValueError

@@ -1,7 +1,6 @@
 """What a node's tiers evict keeps cached prefixes usable: the tail of a prefix goes before its head, on the disk
-tier too. A prompt read back from the disk touched its chunks head first, so its head became the least recent and
-the disk evicted it first, keeping a tail no lookup can reach (found by a cost-model hunt). One plain KVNode with a
-4-slot slab and an 8-slot disk against a real redis-server."""
+tier too, also for a prompt just read back from the disk: a full disk never keeps a tail whose head it dropped (a
+tail no lookup can reach). One plain KVNode with a 4-slot slab and an 8-slot disk against a real redis-server."""
 
 import time
 
@@ -9,9 +8,7 @@ import torch
 
 from kvmesh import KVSpec
 from kvmesh.client import connect_local
-from kvmesh.config import KVMeshConfig
 from kvmesh.local import RedisServer
-from kvmesh.node import KVNode
 
 SPEC = KVSpec("eviction-order", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", chunk_tokens=16)
 CH = SPEC.chunk_tokens
@@ -31,13 +28,12 @@ def settle(node) -> None:
     assert node.registrar.flush(10.0)
 
 
-def test_a_prefix_read_back_from_disk_loses_its_tail_first_when_the_disk_fills(tmp_path):
+def test_a_prefix_read_back_from_disk_loses_its_tail_first_when_the_disk_fills(make_node):
     with RedisServer() as server:
-        cfg = KVMeshConfig(redis_url=server.url, key_prefix="eo", cpu_bytes=4 * SPEC.chunk_bytes,
-                           slot_bytes=SPEC.chunk_bytes, disk_bytes=8 * SPEC.chunk_bytes, disk_dir=str(tmp_path / "d"),
-                           disk_direct_io=False, shm_dir=str(tmp_path),
-                           lookup_timeout_s=5.0)  # (a loaded CI box: a lookup past 0.5 s is a miss)
-        node = KVNode(cfg, "e" * 32, "kvnode-e")
+        node = make_node("e" * 32, "kvnode-e", redis_url=server.url, key_prefix="eo", cpu_bytes=4 * SPEC.chunk_bytes,
+                         slot_bytes=SPEC.chunk_bytes, disk_bytes=8 * SPEC.chunk_bytes, disk_direct_io=False,
+                         lease_s=5.0, heartbeat_s=1.0,
+                         lookup_timeout_s=5.0)  # (a loaded CI box: a lookup past 0.5 s is a miss)
         c = connect_local(SPEC, node)
         try:
             def put(seed: int, chunks: int):

@@ -14,8 +14,6 @@ import redis
 import torch
 
 from kvmesh.client import connect_local
-from kvmesh.config import KVMeshConfig
-from kvmesh.node import KVNode
 from kvmesh.spec import KVSpec
 from tests.conftest import wait_until
 
@@ -46,16 +44,13 @@ class Exported:
 
 
 @pytest.fixture
-def node(private_redis, tmp_path):
+def node(private_redis, make_node):
     redis.Redis.from_url(private_redis.url).flushall()
-    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="fa", cpu_bytes=4 * SPEC.chunk_bytes,
-                       slot_bytes=SPEC.chunk_bytes, disk_bytes=32 * SPEC.chunk_bytes, disk_dir=str(tmp_path / "disk"),
-                       disk_direct_io=False, lease_s=2.0, heartbeat_s=0.2, node_refresh_s=0.2, fetch_timeout_s=5.0,
-                       shm_dir=str(tmp_path))
-    n = KVNode(cfg, "a" * 32, "kvnode-a")
+    n = make_node("a" * 32, "kvnode-a", redis_url=private_redis.url, key_prefix="fa", cpu_bytes=4 * SPEC.chunk_bytes,
+                  slot_bytes=SPEC.chunk_bytes, disk_bytes=32 * SPEC.chunk_bytes, disk_direct_io=False,
+                  node_refresh_s=0.2, fetch_timeout_s=5.0)
     n._ray_metrics = Exported()
-    yield n
-    n.shutdown()
+    return n
 
 
 def prompt(seed: int, chunks: int) -> tuple[list[int], torch.Tensor]:

@@ -13,7 +13,6 @@ import redis
 import torch
 
 from kvmesh.client import connect_local
-from kvmesh.config import KVMeshConfig
 from kvmesh.node import KVNode
 from kvmesh.spec import KVSpec
 from tests.conftest import wait_until
@@ -23,24 +22,15 @@ CH = SPEC.chunk_tokens
 
 
 @pytest.fixture
-def cfg(private_redis, tmp_path):
+def cfg(private_redis, make_node):
     redis.Redis.from_url(private_redis.url).flushall()
-    return KVMeshConfig(redis_url=private_redis.url, key_prefix="fm", cpu_bytes=64 * SPEC.chunk_bytes,
-                        slot_bytes=SPEC.chunk_bytes, lease_s=2.0, heartbeat_s=0.2, node_refresh_s=0.2,
-                        fetch_timeout_s=5.0, shm_dir=str(tmp_path))
+    return make_node.config(redis_url=private_redis.url, key_prefix="fm", cpu_bytes=64 * SPEC.chunk_bytes,
+                            slot_bytes=SPEC.chunk_bytes, node_refresh_s=0.2, fetch_timeout_s=5.0)
 
 
 @pytest.fixture
-def nodes(cfg):
-    made = []
-
-    def make(name: str) -> KVNode:
-        made.append(KVNode(cfg, name * 32, f"kvnode-{name}"))
-        return made[-1]
-
-    yield make
-    for n in made:
-        n.shutdown()
+def nodes(cfg, make_node):
+    return lambda name: make_node(name * 32, f"kvnode-{name}", config=cfg)
 
 
 @contextlib.contextmanager

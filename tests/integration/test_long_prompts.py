@@ -8,21 +8,16 @@ import redis
 import torch
 
 from kvmesh.client import connect_local
-from kvmesh.config import KVMeshConfig
-from kvmesh.node import KVNode
 from kvmesh.spec import KVSpec
 
 SPEC = KVSpec("long-prompts-model", 2, 2, 8, "float16", chunk_tokens=4)
 
 
 @pytest.fixture
-def node(private_redis, tmp_path):
+def node(private_redis, make_node):
     redis.Redis.from_url(private_redis.url).flushall()
-    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="lp", cpu_bytes=64 << 20, slot_bytes=1 << 16,
-                       lease_s=5.0, heartbeat_s=0.2, node_refresh_s=0.2, shm_dir=str(tmp_path))
-    n = KVNode(cfg, "b" * 32, "kvnode-b")
-    yield n
-    n.shutdown()
+    return make_node("b" * 32, "kvnode-b", redis_url=private_redis.url, key_prefix="lp", cpu_bytes=64 << 20,
+                     slot_bytes=1 << 16, lease_s=5.0, node_refresh_s=0.2)
 
 
 def kv_of(tokens: list[int]) -> torch.Tensor:

@@ -7,23 +7,18 @@ import redis
 import torch
 
 from kvmesh.client import connect_local
-from kvmesh.config import KVMeshConfig
 from kvmesh.cost import LinkModel
 from kvmesh.integrations.hf import generate, spec_for_model, tiny_llama
-from kvmesh.node import KVNode
 from kvmesh.spec import KVSpec
 
 SPEC = KVSpec("lookup-counting-model", 2, 2, 16, "float16", chunk_tokens=16)
 
 
 @pytest.fixture
-def node(private_redis, tmp_path):
+def node(private_redis, make_node):
     redis.Redis.from_url(private_redis.url).flushall()
-    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="lc", cpu_bytes=64 << 20, slot_bytes=1 << 20,
-                       lease_s=2.0, heartbeat_s=0.2, node_refresh_s=0.2, shm_dir=str(tmp_path))
-    n = KVNode(cfg, "a" * 32, "kvnode-a")
-    yield n
-    n.shutdown()
+    return make_node("a" * 32, "kvnode-a", redis_url=private_redis.url, key_prefix="lc", cpu_bytes=64 << 20,
+                     slot_bytes=1 << 20, node_refresh_s=0.2)
 
 
 def test_a_prompt_shorter_than_a_chunk_is_neither_looked_up_nor_counted(node):

@@ -8,12 +8,10 @@ import pytest
 import redis
 
 from kvmesh.client import connect_local
-from kvmesh.config import KVMeshConfig
 from kvmesh.local import RedisServer
 from kvmesh.node import remove_stale_slabs
 from kvmesh.spec import KVSpec
 from tests.conftest import wait_until
-from tests.integration.nodes import WireNode
 
 SLOT = 4096
 SPEC = KVSpec("relay-test-model", 2, 2, 8, "float16", chunk_tokens=16)
@@ -34,17 +32,14 @@ class Counted:
 
 
 @pytest.fixture
-def two_nodes(private_redis, tmp_path):
+def two_nodes(private_redis, make_node):
     redis.Redis.from_url(private_redis.url).flushall()
     # refreshes every 0.25 s: a relay counts as stale after two missed ones (0.5 s), which a loaded 2-core box's
     # scheduler does not reach by accident (at 0.1 s it did, and the clients rightly read Redis themselves)
-    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="tr", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
-                       lease_s=3.0, heartbeat_s=0.2, node_refresh_s=REFRESH_S, shm_dir=str(tmp_path))
-    a, b = WireNode(cfg, "node-a" * 4, "kvnode-a"), WireNode(cfg, "node-b" * 4, "kvnode-b")
-    yield a, b
-    for n in (a, b):
-        if not n._closed:
-            n.shutdown()
+    cfg = make_node.config(redis_url=private_redis.url, key_prefix="tr", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
+                           lease_s=3.0, node_refresh_s=REFRESH_S)
+    return (make_node("node-a" * 4, "kvnode-a", config=cfg, wire=True),
+            make_node("node-b" * 4, "kvnode-b", config=cfg, wire=True))
 
 
 def test_clients_read_the_table_their_node_relays_and_redis_when_it_stops(two_nodes):
@@ -76,13 +71,11 @@ def test_clients_read_the_table_their_node_relays_and_redis_when_it_stops(two_no
             c.close()
 
 
-def test_a_relayed_table_does_not_hide_a_dead_directory(tmp_path):
+def test_a_relayed_table_does_not_hide_a_dead_directory(make_node):
     server = RedisServer()
     try:
-        cfg = KVMeshConfig(redis_url=server.url, key_prefix="tr", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
-                           lease_s=2.0, heartbeat_s=0.2, node_refresh_s=0.1, lookup_timeout_s=0.3,
-                           shm_dir=str(tmp_path))
-        a = WireNode(cfg, "node-a" * 4, "kvnode-a")
+        a = make_node("node-a" * 4, "kvnode-a", wire=True, redis_url=server.url, key_prefix="tr", cpu_bytes=8 * SLOT,
+                      slot_bytes=SLOT, node_refresh_s=0.1, lookup_timeout_s=0.3)
         c = connect_local(SPEC, a.node)
         try:
             wait_until(lambda: c.view.age_s < 0.3, 3)
@@ -94,22 +87,22 @@ def test_a_relayed_table_does_not_hide_a_dead_directory(tmp_path):
             a.die()
     finally:
         server.stop()
-    assert remove_stale_slabs(str(tmp_path)) == 0  # (A's process is this one: its files are not stale)
+    assert remove_stale_slabs(make_node.shm_dir) == 0  # (A's process is this one: its files are not stale)
 
 
-def test_a_node_that_joined_after_the_relayed_table_counts_as_a_holder_at_once(private_redis, tmp_path):
+def test_a_node_that_joined_after_the_relayed_table_counts_as_a_holder_at_once(private_redis, make_node):
     # The relay refreshes every 5 s here: it is surely older than node C. An entry naming C's (newer) incarnation
     # makes the client read the table from Redis then, instead of calling the prefix uncached until its refresh.
     import torch
 
     redis.Redis.from_url(private_redis.url).flushall()
-    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="tr", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
-                       lease_s=20.0, heartbeat_s=1.0, node_refresh_s=5.0, shm_dir=str(tmp_path))
-    a = WireNode(cfg, "node-a" * 4, "kvnode-a")
+    cfg = make_node.config(redis_url=private_redis.url, key_prefix="tr", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
+                           lease_s=20.0, heartbeat_s=1.0, node_refresh_s=5.0)
+    a = make_node("node-a" * 4, "kvnode-a", config=cfg, wire=True)
     reader_client = connect_local(SPEC, a.node)
     time.sleep(0.3)
     reader_client.view.refresh()  # from A's relay, which predates C
-    c = WireNode(cfg, "node-c" * 4, "kvnode-c")
+    c = make_node("node-c" * 4, "kvnode-c", config=cfg, wire=True)
     writer = connect_local(SPEC, c.node)
     try:
         assert c.node_id not in reader_client.view.table().by_node()

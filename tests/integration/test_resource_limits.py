@@ -49,16 +49,15 @@ def held(node, ids) -> list[int]:
     return [i for i in ids if node.cascade.best_tier(k(i)) is not None]
 
 
-def test_a_full_shared_memory_keeps_storing_into_the_slots_that_have_memory(private_redis, tmp_path):
+def test_a_full_shared_memory_keeps_storing_into_the_slots_that_have_memory(private_redis, make_node):
     """The slab is sparse and each slot gets its memory at its first store. Once /dev/shm was full, every later
     store popped the same slot without memory again and was refused: the node stored nothing new for as long as
     /dev/shm stayed full, while its slots with memory kept chunks nobody read. Now the tier goes on as an LRU of
     the slots that have memory; the directory names only what is held, and what is read is bit-exact."""
     redis.Redis.from_url(private_redis.url).flushall()
     with small_tmpfs(64 * 1024) as shm:
-        cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="rl", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
-                           lease_s=2.0, heartbeat_s=0.2, shm_dir=shm)
-        node = WireNode(cfg, "node-s" * 4, "kvnode-s")
+        node = make_node("node-s" * 4, "kvnode-s", wire=True, redis_url=private_redis.url, key_prefix="rl",
+                         cpu_bytes=8 * SLOT, slot_bytes=SLOT, shm_dir=shm)
         try:
             if node.tier.page_locked:  # (registered with CUDA: every slot got its memory at start, none can lack it)
                 pytest.skip("a page-locked slab has all its memory from the start")
@@ -80,17 +79,16 @@ def test_a_full_shared_memory_keeps_storing_into_the_slots_that_have_memory(priv
             node.shutdown()
 
 
-def test_a_disk_tier_bigger_than_its_disk_keeps_the_latest_chunks(private_redis, tmp_path):
+def test_a_disk_tier_bigger_than_its_disk_keeps_the_latest_chunks(private_redis, make_node):
     """A disk tier's file is sparse too: with a budget bigger than the disk's free space, the writes past it
     failed (ENOSPC) and every later one took the same never-written slot again and failed as well: the disk kept
     its first chunks for good and dropped every newer one. Now the disk goes on as an LRU of the slots that have
     their blocks."""
     redis.Redis.from_url(private_redis.url).flushall()
     with small_tmpfs(64 * 1024) as disk_fs:  # 8 slots of a header page and a data page; 64 configured
-        cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="rl", cpu_bytes=2 * SLOT, slot_bytes=SLOT,
-                           disk_dir=os.path.join(disk_fs, "disk"), disk_bytes=64 * SLOT, lease_s=2.0,
-                           heartbeat_s=0.2, shm_dir=str(tmp_path))
-        node = WireNode(cfg, "node-d" * 4, "kvnode-d")
+        node = make_node("node-d" * 4, "kvnode-d", wire=True, redis_url=private_redis.url, key_prefix="rl",
+                         cpu_bytes=2 * SLOT, slot_bytes=SLOT, disk_dir=os.path.join(disk_fs, "disk"),
+                         disk_bytes=64 * SLOT)
         try:
             for i in range(1, 41, 4):
                 node.store(*chunks(i, i + 1, i + 2, i + 3))
@@ -125,7 +123,7 @@ def test_a_tier_directory_that_is_a_file_is_named_by_its_setting(private_redis, 
     assert not [f for f in os.listdir(tmp_path) if f.startswith("kvmesh-")]  # and it left no slab behind
 
 
-def test_a_full_disk_slot_written_with_a_smaller_chunk_does_not_freeze_the_tier(private_redis, tmp_path):
+def test_a_full_disk_slot_written_with_a_smaller_chunk_does_not_freeze_the_tier(private_redis, make_node):
     """A disk slot is flagged as having its blocks after any write, but a chunk smaller than the slot allocates
     only its own pages. When a bigger chunk then lands in that slot on a full disk (ENOSPC), the slot still counts
     as having its space: it is not set aside, goes back on top of the free stack, and every later bigger chunk
@@ -133,10 +131,8 @@ def test_a_full_disk_slot_written_with_a_smaller_chunk_does_not_freeze_the_tier(
     redis.Redis.from_url(private_redis.url).flushall()
     big = 2 * SLOT
     with small_tmpfs(64 * 1024) as disk_fs:  # 16 pages: a small chunk takes 2 (header + 1), a big one 3
-        cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="rl", cpu_bytes=2 * big, slot_bytes=big,
-                           disk_dir=os.path.join(disk_fs, "disk"), disk_bytes=64 * big, lease_s=2.0,
-                           heartbeat_s=0.2, shm_dir=str(tmp_path))
-        node = WireNode(cfg, "node-v" * 4, "kvnode-v")
+        node = make_node("node-v" * 4, "kvnode-v", wire=True, redis_url=private_redis.url, key_prefix="rl",
+                         cpu_bytes=2 * big, slot_bytes=big, disk_dir=os.path.join(disk_fs, "disk"), disk_bytes=64 * big)
         try:
             node.store(*chunks(1, size=SLOT))  # another model's smaller chunk: its disk slot gets 2 of 3 pages
             wait_until(lambda: settled(node), 10)

@@ -12,12 +12,10 @@ import torch
 
 from kvmesh import KVSpec
 from kvmesh.client import connect_local
-from kvmesh.config import KVMeshConfig
 from kvmesh.handle import LocalHandle
 from kvmesh.local import RedisServer
-from kvmesh.node import KVNode
 from kvmesh.telemetry import Records
-from tests.conftest import wait_until
+from tests.conftest import NodeFactory, wait_until
 
 SLOT = 64 * 1024
 BIG = KVSpec("shared-big", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=32)  # one slot
@@ -37,18 +35,13 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.fixture
 def nodes(tmp_path):
-    with RedisServer() as server:
-        cfg = KVMeshConfig(redis_url=server.url, key_prefix="sn", cpu_bytes=4 * SLOT, slot_bytes=SLOT, lease_s=4.0,
-                           heartbeat_s=0.2, node_refresh_s=0.2, recompute_bytes_per_s=1 << 20,
-                           shm_dir=str(tmp_path))
-        made = [KVNode(cfg, ch * 32, f"kvnode-{ch}") for ch in "abc"]
+    with RedisServer() as server, NodeFactory(tmp_path, server.url) as make:
+        cfg = make.config(key_prefix="sn", cpu_bytes=4 * SLOT, slot_bytes=SLOT, lease_s=4.0, node_refresh_s=0.2,
+                          recompute_bytes_per_s=1 << 20)
+        made = [make(ch * 32, f"kvnode-{ch}", config=cfg) for ch in "abc"]
         for n in made:
             n.peers = lambda node, me=n: next((LocalHandle(p, me.node_id) for p in made if p.node_id == node), None)
-        try:
-            yield made
-        finally:
-            for n in made:
-                n.shutdown()
+        yield made
 
 
 def store(client, spec: KVSpec, *seeds: int) -> None:
@@ -113,7 +106,7 @@ def test_a_bare_node_candidate_is_priced_by_the_replicas_of_the_prompt_s_own_mod
         cb.close()
 
 
-def test_a_prompt_of_thousands_of_small_chunks_does_not_hold_up_the_other_models_on_the_node(tmp_path):
+def test_a_prompt_of_thousands_of_small_chunks_does_not_hold_up_the_other_models_on_the_node(make_node):
     """A model with small chunks and a long prompt (256k tokens in 16-token chunks: 16384 chunks) is read while
     another model reads its own chunk on the same node over and over. Bringing the run into the slab took time
     quadratic in its chunks under the node's lock (a protected set made anew per chunk: some 10 s at 16384), and every
@@ -122,9 +115,8 @@ def test_a_prompt_of_thousands_of_small_chunks_does_not_hold_up_the_other_models
     other = KVSpec("shared-other", num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16", chunk_tokens=16)
     n = 16384
     with RedisServer() as server:
-        cfg = KVMeshConfig(redis_url=server.url, key_prefix="sl", cpu_bytes=(n + 16) * 4096, slot_bytes=4096,
-                           shm_dir=str(tmp_path))
-        node = KVNode(cfg, "d" * 32, "kvnode-d")
+        node = make_node("d" * 32, "kvnode-d", redis_url=server.url, key_prefix="sl", cpu_bytes=(n + 16) * 4096,
+                         slot_bytes=4096, lease_s=5.0, heartbeat_s=1.0)
         cl, co = connect_local(long_spec, node), connect_local(other, node)
         try:
             toks, kv = prompt(long_spec, 30, n)
@@ -159,7 +151,7 @@ def test_a_prompt_of_thousands_of_small_chunks_does_not_hold_up_the_other_models
             node.shutdown()
 
 
-def test_models_and_tenants_with_the_same_tokens_share_a_slab_and_disk_bit_exact(tmp_path):
+def test_models_and_tenants_with_the_same_tokens_share_a_slab_and_disk_bit_exact(make_node):
     """Three models of three chunk sizes (none a multiple of the disk's 4 KiB blocks, one exactly a slot), each for
     two tenants, store and read prompts of the same token ids at once through one node whose slab holds six chunks
     and whose disk 120, fewer than they store: chunks go down to the disk, back up and out. Each read is its own
@@ -181,9 +173,8 @@ def test_models_and_tenants_with_the_same_tokens_share_a_slab_and_disk_bit_exact
         )
 
     with RedisServer() as server:
-        cfg = KVMeshConfig(redis_url=server.url, key_prefix="sb", cpu_bytes=6 * slot, slot_bytes=slot,
-                           disk_bytes=120 * slot, disk_dir=str(tmp_path / "disk"), shm_dir=str(tmp_path))
-        node = KVNode(cfg, "b" * 32, "kvnode-b")
+        node = make_node("b" * 32, "kvnode-b", redis_url=server.url, key_prefix="sb", cpu_bytes=6 * slot,
+                         slot_bytes=slot, disk_bytes=120 * slot, lease_s=5.0, heartbeat_s=1.0)
         wrong, hits, failed = [], Counter(), []
 
         def work(spec, salt):

@@ -3,18 +3,15 @@ before the next is pinned, so a prompt whose KV is larger than the reader's CPU 
 through a small node) is read whole, bit-exact, into every sink. Plain KVNodes against a real redis-server (no Ray:
 the same file runs on a GPU machine, where the device sink is a CUDA one and the GPU tier is a source too)."""
 
-import os
-
 import pytest
 import torch
 
 from kvmesh import KVSpec
 from kvmesh.client import connect_local
-from kvmesh.config import KVMeshConfig
 from kvmesh.handle import LocalHandle
 from kvmesh.hashing import as_tokens, chunk_hashes
 from kvmesh.node import KVNode
-from tests.conftest import wait_until
+from tests.conftest import NodeFactory, wait_until
 
 SPEC = KVSpec("windows", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=32)
 SLOT = 64 * 1024
@@ -27,15 +24,12 @@ DEVICE = "cuda" if CUDA else "cpu"
 def nodes(tmp_path_factory):
     from kvmesh.local import RedisServer
 
-    tmp = tmp_path_factory.mktemp("windows")
-    with RedisServer() as server:
-        base = KVMeshConfig(redis_url=server.url, key_prefix="win", cpu_bytes=64 * SLOT, slot_bytes=SLOT,
-                            lease_s=4.0, heartbeat_s=0.5, node_refresh_s=0.2, fetch_timeout_s=10.0,
-                            shm_dir=str(tmp / "shm"))
-        os.makedirs(base.shm_dir)
+    with RedisServer() as server, NodeFactory(tmp_path_factory.mktemp("windows"), server.url) as make:
+        base = make.config(key_prefix="win", cpu_bytes=64 * SLOT, slot_bytes=SLOT, lease_s=4.0, heartbeat_s=0.5,
+                           node_refresh_s=0.2, fetch_timeout_s=10.0)
         small = base.replace(cpu_bytes=SMALL * SLOT)
         configs = {
-            "D": small.replace(disk_bytes=4 * N * SLOT, disk_dir=str(tmp / "disk")),  # a small slab above a disk
+            "D": small.replace(disk_bytes=4 * N * SLOT, disk_dir=make.disk_dir),  # a small slab above a disk
             "B": base,  # holds in its (large) slab
             "C": small,  # reads through its small slab (coalesce_pulls)
         }
@@ -43,12 +37,10 @@ def nodes(tmp_path_factory):
             configs["G"] = small.replace(gpu_bytes=2 * N * SLOT, gpu_device="cuda")
         made: dict[str, KVNode] = {}
         for role, cfg in configs.items():
-            n = made[role] = KVNode(cfg, f"node-{role}" * 6, f"kvnode-{role}")
+            n = made[role] = make(f"node-{role}" * 6, f"kvnode-{role}", config=cfg)
             n.peers = lambda node, me=n: next(
                 (LocalHandle(p, me.node_id) for p in made.values() if p.node_id == node), None)
         yield made
-        for n in made.values():
-            n.shutdown()
 
 
 def client(nodes, role, **opts):

@@ -9,20 +9,17 @@ import threading
 import numpy as np
 import redis
 
-from kvmesh.config import KVMeshConfig
 from kvmesh.directory import FIELD_BYTES
 from kvmesh.tiers import checksum
 from kvmesh.wire import StoreItem
-from tests.integration.nodes import WireNode
 
 SLOT = 4096
 
 
-def test_concurrent_stores_and_evictions_leave_no_phantom_or_missing_entry(private_redis, tmp_path):
+def test_concurrent_stores_and_evictions_leave_no_phantom_or_missing_entry(private_redis, make_node):
     redis.Redis.from_url(private_redis.url).flushall()
-    cfg = KVMeshConfig(redis_url=private_redis.url, key_prefix="wo", cpu_bytes=8 * SLOT, slot_bytes=SLOT,
-                       lease_s=5.0, heartbeat_s=0.5, shm_dir=str(tmp_path))
-    node = WireNode(cfg, "node-w" * 4, "kvnode-w")
+    node = make_node("node-w" * 4, "kvnode-w", wire=True, redis_url=private_redis.url, key_prefix="wo",
+                     cpu_bytes=8 * SLOT, slot_bytes=SLOT, lease_s=5.0, heartbeat_s=0.5)
     try:
         errors = []
 

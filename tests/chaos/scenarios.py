@@ -1,5 +1,5 @@
-"""Chaos scenarios R1-R5 against a real multi-node Ray cluster with KVNodes and a real redis-server (R6, fuzzing, is
-`bench/fuzz.py`). Each drives a fault while workers use the public client API, checks every byte they get back
+"""Chaos scenarios R1-R6 against a real multi-node Ray cluster with KVNodes and a real redis-server (R6's fuzzers
+are `fuzz.py`). Each drives a fault while workers use the public client API, checks every byte they get back
 (`chaoskit`), and returns its figure as a dict with `ok` saying whether the goal was met. tests/integration/
 test_chaos.py runs them CI-sized on the test session's cluster; bench/chaos.py runs them long on its own.
 
@@ -8,6 +8,7 @@ test_chaos.py runs them CI-sized on the test session's cluster; bench/chaos.py r
     r3_corruption      bits flipped in stored chunks, read back through every path
     r4_namespaces      two models x two dtypes x two salts, the same tokens, one directory
     r5_mixed_load      64 workers storing, looking up and fetching under eviction pressure
+    r6_fuzz            fuzzed wire messages (a plain KVNode, its data server, a KVNode actor) and public API calls
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import time
 
 import ray
 
-from bench.chaoskit import C, hashes_of, make_spec, on, prompt, summarize
 from kvmesh.config import KVMeshConfig
 from kvmesh.directory import Directory
+from tests.chaos.chaoskit import C, hashes_of, make_spec, on, prompt, summarize
 
 
 def _actors() -> dict:
@@ -305,7 +306,7 @@ def _rss(pids: list[int]) -> tuple[int, int]:
     """(resident, private) bytes of `pids`: private leaves out shared mappings (the slabs, Ray's object store)."""
     from kvmesh._extras import require
 
-    psutil = require("psutil", "bench", "bench/scenarios.py's memory readings")
+    psutil = require("psutil", "bench", "the chaos scenarios' memory readings")
     rss = private = 0
     for pid in pids:
         try:
@@ -399,3 +400,40 @@ def r5_mixed_load(config: KVMeshConfig, nodes: list[str], workers: int = 64, sec
                and all(v == "ok" for v in integrity.values()) and g_nodes is not None
                and abs(g_nodes) <= 0.05 and abs(growth(4)) <= worker_growth_limit),
     }
+
+
+# -- R6 ------------------------------------------------------------------------------------------------------------
+def r6_fuzz(mesh, examples: int) -> dict:
+    """Fuzzing: a KVNode as a plain class (and its data server), a KVNode actor, the public API."""
+    import tempfile
+
+    import kvmesh
+    from kvmesh.handle import KVNodeActor
+    from kvmesh.local import RedisServer
+    from kvmesh.node import KVNode
+    from tests.chaos import fuzz
+
+    out = {"figure": "R6"}
+    t0 = time.monotonic()
+    with RedisServer() as rs, tempfile.TemporaryDirectory() as shm:
+        node = KVNode(KVMeshConfig(redis_url=rs.url, key_prefix="fz", cpu_bytes=16 * 4096, slot_bytes=4096,
+                                   lease_s=2.0, heartbeat_s=0.2, shm_dir=shm), "node-f" * 4, "kvnode-f")
+        try:
+            # wire messages go to the node's wire edge (what the actor runs), as in tests/integration/test_chaos.py;
+            # the KVNode object's own methods take typed arguments
+            out["node"] = fuzz.fuzz_node(KVNodeActor.around(node), examples, derandomize=False)
+            out["data_server"] = fuzz.fuzz_data_server(node, examples // 10, derandomize=False)
+            node.check_integrity(directory=True)
+            out["node_integrity_after"] = "ok"
+        finally:
+            node.shutdown()
+    out["actor"] = fuzz.fuzz_actor(_actors()[mesh.node_ids[-1]], examples // 10, derandomize=False)
+    c = kvmesh.connect(make_spec("chaos-fuzz"))
+    try:
+        out["api"] = fuzz.fuzz_api(c, examples // 2, derandomize=False)
+    finally:
+        c.close()
+    out["seconds"] = time.monotonic() - t0
+    out["goal"] = "typed errors only; no actor crash"
+    out["ok"] = True  # any other outcome raises out of the fuzzers (with hypothesis's smallest example)
+    return out

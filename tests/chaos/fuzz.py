@@ -9,7 +9,7 @@ typed error (`WireError` for messages, `TypeError`/`ValueError` for API argument
     fuzz_api(client, examples)             lookup/fetch/store/lookup_keys/store_keys, KVSpec, KVMeshConfig
 
 Each returns counts: examples run and how each call ended. A call that ends otherwise raises (hypothesis shrinks it
-first), which is what the tests and bench/chaos.py report.
+first), which is what the tests and bench/chaos.py report (`scenarios.r6_fuzz` runs them all).
 """
 
 from __future__ import annotations

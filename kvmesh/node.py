@@ -571,7 +571,7 @@ class KVNode:
         """Caller (the cascade, evicting from the slab) holds the lock; the chunk's bytes are still in `slot`."""
         if below is not None and below != TIER_DISK:
             return  # (a copy stays in the GPU tier above)
-        if below == TIER_DISK and rec.key in self.cascade._pending:  # not on disk yet: the disk may refuse it
+        if below == TIER_DISK and self.cascade.writing(rec.key):  # not on disk yet: the disk may refuse it
             self._leaving_to_disk[rec.key] = self.replicas.is_replica(rec.key)
             return
         self.last_copies.leaving(
@@ -815,13 +815,11 @@ class KVNode:
                 if disk.record(item.slot).key != item.key:
                     return  # already gone (evicted or read and found corrupt)
                 if good:
-                    self.cascade.changes[(item.group, item.key)] = self.cascade.best_tier(item.key)
+                    self.cascade.record_change(item.group, item.key)
                     self.stats_counts["disk_recovered"] += 1
                 else:
                     if failed is not None:
-                        counts = self.cascade.counts
-                        counts["disk_read_errors"] += 1
-                        counts[f"disk_read_{failed}"] = counts.get(f"disk_read_{failed}", 0) + 1
+                        self.cascade.count_read_error(failed)
                     else:
                         try:
                             disk.invalidate(item.slot)
@@ -945,7 +943,7 @@ class KVNode:
                     # slots, not bytes of capacity (a tier full of a small model's chunks holds few bytes)
                     "slots": t.num_slots - t.unbacked_slots,
                 }
-                for t in self.cascade._tiers()
+                for t in self.cascade.tiers()
             ]
             d.update(self.last_copies.counts)
             d["saved_last_copies"] = d["last_copy_saved_disk"] + d.get("handoff_ok", 0)

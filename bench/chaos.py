@@ -36,7 +36,7 @@ def r6(mesh, examples: int) -> dict:
     from bench.chaoskit import make_spec
     from bench.scenarios import _actors
     from kvmesh.config import KVMeshConfig
-    from kvmesh.handle import KVNodeActor
+    from kvmesh.actor import KVNodeActor
     from kvmesh.local import RedisServer
     from kvmesh.node import KVNode
 

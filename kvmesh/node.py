@@ -1,4 +1,4 @@
-"""`KVNode`: owns one Ray node's tiers. A plain class with typed methods; `handle.KVNodeActor` is its wire edge,
+"""`KVNode`: owns one Ray node's tiers. A plain class with typed methods; `actor.KVNodeActor` is its wire edge,
 which `kvmesh.start` runs as a threaded Ray actor (so a long pull never blocks a pin).
 
     hello() -> NodeHello                  reads: NodeInfo, incarnation and config, for clients on this node
@@ -128,7 +128,7 @@ def fit_slots(num_slots: int, slot_bytes: int, free_bytes: int) -> int:
 class KVNode:
     def __init__(
         self,
-        config: KVMeshConfig | dict,
+        config: KVMeshConfig,
         node_id: str,
         actor_name: str = "",
         host: str = "127.0.0.1",
@@ -137,7 +137,7 @@ class KVNode:
         """`restarted` (Ray restarted this node's actor): a disk or GPU tier that cannot be had now is left out,
         not an error (a first start fails instead, said in one line)."""
         self._restarted = restarted
-        self.config = config if isinstance(config, KVMeshConfig) else KVMeshConfig.from_dict(config)
+        self.config = config
         self.node_id = node_id
         self.stats_counts: Counter[str] = Counter()
         self.lock = threading.Lock()  # guards the cascade (tiers), the pins and the stats
@@ -982,6 +982,11 @@ class KVNode:
             assert indexed == groups, (
                 f"the purge index lists {len(indexed - groups)} group(s) not held and misses {len(groups - indexed)}"
             )
+
+    @property
+    def closed(self) -> bool:
+        """Shut down (or killed): its handles refuse calls, as a dead actor's would."""
+        return self._closed
 
     def shutdown(self) -> None:
         if self._closed:

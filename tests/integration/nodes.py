@@ -1,6 +1,6 @@
 """A KVNode object behind its wire edge, in the test's own process: what a Ray actor runs, without Ray."""
 
-from kvmesh.handle import KVNodeActor
+from kvmesh.actor import KVNodeActor
 from kvmesh.node import KVNode
 
 WIRE = ("hello", "pin", "unpin", "pull", "pull_through", "store", "report_corrupt", "locate")

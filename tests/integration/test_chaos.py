@@ -177,7 +177,7 @@ def test_r6_fuzzed_public_api_raises_only_typed_errors(mesh):
 
 def test_bench_chaos_r6_fuzzes_the_wire_edge_not_the_typed_kvnode(mesh):
     """bench/chaos.py's R6 (the long fuzz run) fed wire messages straight to a `KVNode` object, whose methods take
-    typed arguments since the wire edge moved to `handle.KVNodeActor`: its first `store` or `pull_through` example
+    typed arguments since the wire edge moved to `actor.KVNodeActor`: its first `store` or `pull_through` example
     died of an AttributeError ('int' object has no attribute 'nbytes'), so the long run never fuzzed anything."""
     from bench.chaos import r6
 

@@ -12,7 +12,8 @@ import torch
 
 from kvmesh import KVSpec
 from kvmesh.config import KVMeshConfig
-from kvmesh.handle import KVNodeActor, LocalHandle
+from kvmesh.actor import KVNodeActor
+from kvmesh.handle import LocalHandle
 from kvmesh.node import KVNode
 from kvmesh.storequeue import StoreQueue
 from kvmesh.tiers import TIER_CPU, TIER_GPU

@@ -155,6 +155,7 @@ class Cascade(WriteBack):
     def complete(self, ticket: StoreTicket, chunk_checksum: int) -> None:
         tier = self.top
         tier.complete_store(ticket, chunk_checksum)
+        self._stored()
         rec = tier.record(ticket.slot)
         self.changes[(rec.group, rec.key)] = tier.tier_id
         if tier is self.cpu:
@@ -164,8 +165,14 @@ class Cascade(WriteBack):
         """A chunk a same-node writer copied device to device into a GPU-tier slot `prepare` reserved."""
         assert self.gpu is not None  # (prepare reserved the slot in it)
         self.gpu.complete_device_store(ticket, device_sum)
+        self._stored()
         rec = self.gpu.record(ticket.slot)
         self.changes[(rec.group, rec.key)] = self.gpu.tier_id
+
+    def _stored(self) -> None:
+        """A chunk came into the node and became readable (a store, a pull-through, a device-to-device store): the
+        one place `stored_chunks` is counted."""
+        self.counts["stored_chunks"] = self.counts.get("stored_chunks", 0) + 1
 
     def abort(self, ticket: StoreTicket) -> None:
         self.top.abort_store(ticket)

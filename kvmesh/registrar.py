@@ -300,13 +300,18 @@ class Registrar:
         with self._node_lock:
             return not self._holds_group(group)
 
-    def shutdown(self, held: list) -> None:
-        """Unregister `held` ((group, key, tier) of everything still held) and leave; the lease lapses on its own
-        if Redis does not answer."""
+    def stop(self) -> None:
+        """Stop the thread, as a crash would: nothing is unregistered, the directory is not left (the lease lapses,
+        the janitors of other nodes purge the entries)."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout=5)
+
+    def shutdown(self, held: list) -> None:
+        """Unregister `held` ((group, key, tier) of everything still held) and leave; the lease lapses on its own
+        if Redis does not answer."""
+        self.stop()
         if self.fenced:
             return
         try:

@@ -58,7 +58,7 @@ def test_a_start_up_verification_whose_erase_fails_does_not_kill_the_disk_io_thr
     wait_until(lambda: node.stats().get("disk_writes", 0) == 3, 5)
     flip(node, k(2))
     flip(node, k(3))
-    node.die()
+    node.kill()
 
     def refuse(self, slot):
         raise OSError(errno.EROFS, "Read-only file system")
@@ -168,7 +168,7 @@ def test_disk_pending_io_counts_the_writes_in_flight(private_redis, tmp_path):
 def test_a_write_that_raises_no_oserror_is_still_ended(private_redis, tmp_path, monkeypatch):
     """_io_loop's new guard keeps the thread alive, but the write that raised is never ended: finish_write never
     runs, so its disk slot stays 'writing' (pinned) for good, its buffer never goes back to the pool, the key stays
-    in cascade._pending and node._leaving_to_disk, and the same key can never be stored again."""
+    in cascade._pending and last_copies.leaving_to_disk, and the same key can never be stored again."""
     redis.Redis.from_url(private_redis.url).flushall()
     real = DiskTier.write_chunk
 
@@ -185,7 +185,7 @@ def test_a_write_that_raises_no_oserror_is_still_ended(private_redis, tmp_path, 
         wait_until(lambda: node.stats()["disk_pending_io"] == 0, 5)
         time.sleep(0.3)
         assert k(1) not in node.cascade._pending, "the write that raised was never ended"
-        assert k(1) not in node._leaving_to_disk
+        assert k(1) not in node.last_copies.leaving_to_disk
         node.check_integrity()
     finally:
         node.shutdown()

@@ -63,7 +63,7 @@ def test_pins_protect_a_same_node_read_and_expire(node):
     assert node.stats()["pinned"] == 1
     node.unpin(pin_id)
     assert node.stats()["pinned"] == 0
-    node.config = node.config.replace(pin_ttl_s=0.1)
+    node.serving.pin_ttl_s = 0.1  # (the pin table is Serving's)
     node.pin(pack_keys([k(1)]))  # a reader that never unpins
     wait_until(lambda: node.stats()["pinned"] == 0, 3)
 
@@ -77,7 +77,7 @@ def test_an_unpin_meant_for_the_nodes_previous_process_releases_no_pin_of_this_o
     old = WireNode(cfg, "node-p" * 4, "kvnode-p")
     old.store(*chunks(1))
     stale = [unpack_pin_reply(old.pin(pack_keys([k(1)])))[0] for _ in range(3)]
-    old.die()
+    old.kill()
     new = WireNode(cfg, "node-p" * 4, "kvnode-p")  # the restarted process
     try:
         new.store(*chunks(1))
@@ -219,11 +219,12 @@ def test_a_node_that_leaves_takes_its_stats_along_and_forgets_readers_gone_for_g
     a, b = WireNode(cfg, "node-s" * 4, "kvnode-s"), WireNode(cfg, "node-t" * 4, "kvnode-t")
     records = Records(redis.Redis.from_url(private_redis.url), "ts")
     try:
-        a._served[b.node_id] += 10
-        a._served["gone" * 8] += 10  # a reader no longer in the node table, not served for 10 leases
-        a._served_at[b.node_id], a._served_at["gone" * 8] = time.monotonic(), time.monotonic() - 10 * cfg.lease_s - 1
-        a._publish()
-        b._publish()
+        served, served_at = a.serving.served, a.serving.served_at
+        served[b.node_id] += 10
+        served["gone" * 8] += 10  # a reader no longer in the node table, not served for 10 leases
+        served_at[b.node_id], served_at["gone" * 8] = time.monotonic(), time.monotonic() - 10 * cfg.lease_s - 1
+        a.publish()
+        b.publish()
         assert set(a.stats()["served_bytes"]) == {b.node_id}
         wait_until(lambda: set(records.read()[0]) == {a.node_id, b.node_id}, 5)
         b.shutdown()
@@ -416,7 +417,7 @@ def test_a_restarted_node_recovers_its_disk_and_drops_what_is_corrupt(private_re
     old_inc = node.lease.incarnation
     disk_file = node.cascade.disk.path
     slot2 = node.cascade.disk.slot_of(k(2))
-    node.die()  # the process dies without a word: no shutdown, no unregistering (its lease will lapse)
+    node.kill()  # the process dies without a word: no shutdown, no unregistering (its lease will lapse)
     # a bit flip on disk while it was down
     from kvmesh.tiers.disk import HEADER
 

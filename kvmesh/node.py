@@ -94,10 +94,9 @@ class KVNode:
         self.maintenance_rounds = 0  # passes of the maintenance thread done (tests wait on it, not on the clock)
         tiers = build_tiers(cfg, node_id, restarted, self.stats_counts)
         self.tier = tiers.cpu  # the slab every reader maps
-        self.cascade = Cascade(tiers.cpu, tiers.gpu, tiers.disk, cfg.write_policy)
-        self.disk_io = DiskIO(
-            self.cascade, self.lock, self.stats_counts, self._post_changes, self._event, self._stop, node_id
-        )
+        cascade = self.cascade = Cascade(tiers.cpu, tiers.gpu, tiers.disk, cfg.write_policy)
+        lock, counts, post, event, stop = self.lock, self.stats_counts, self._post_changes, self._event, self._stop
+        self.disk_io = DiskIO(cascade, lock, counts, post, event, stop, node_id)
         if tiers.disk is not None and tiers.recovered:  # readable at once (every disk read is verified); registered
             # once verified
             tiers.disk.adopt([(r.slot, r.key, r.group, r.nbytes, r.checksum) for r in tiers.recovered])
@@ -156,9 +155,7 @@ class KVNode:
                 self.directory.close()
             tiers.close()
             raise
-        self.reservations = Reservations(
-            self.cascade, self.lock, self.stats_counts, self._post_changes, cfg.pin_ttl_s, self.info.slab_path
-        )
+        self.reservations = Reservations(cascade, lock, counts, post, cfg.pin_ttl_s, self.info.slab_path)
         self.janitor.purge_later([self.registrar.lease.previous])
         self._gpu_exports = export_gpu(self.cascade.gpu, node_id, self.info.slab_path)
         # peers, for pull-throughs; each read also relayed to the clients on this node (nodeview.TableFile)
@@ -173,39 +170,16 @@ class KVNode:
             self._count,
             self.directory,
             self.telemetry.records.k_stats,
-            lambda n: self.peers(n),
+            self._peer,
         )
         self.last_copies.watch(self.cascade, self.replicas)
-        self.serving = Serving(
-            self.cascade,
-            self.lock,
-            self.stats_counts,
-            node_id,
-            cfg.pin_ttl_s,
-            cfg.promote_on_hit,
-            self.last_copies,
-            self.replicas,
-            self._post_changes,
-            self._event,
-            self._stop,
-        )
+        self.serving = Serving(cascade, lock, counts, node_id, cfg, self.last_copies, self.replicas, post, event, stop)
         self.serving.gpu_readable = bool(self._gpu_exports)
+        self.stores = Stores(cascade, lock, counts, self.disk_io, post, self.registrar, stop)
         self.pull_through_part = PullThrough(
-            node_id,
-            self.lock,
-            self.stats_counts,
-            self.cascade,
-            self.replicas,
-            self.view,
-            lambda n: self.peers(n),
-            lambda items, buf: self.store(items, buf),
-            self._post_changes,
-            cfg.pull_batch_bytes,
+            node_id, lock, counts, cascade, self.replicas, self.view, self._peer, self.stores.store, post, cfg
         )
-        self.stores = Stores(
-            self.cascade, self.lock, self.stats_counts, self.disk_io, self._post_changes, self.registrar, self._stop
-        )
-        self.slab_sums = SlabSums(self.tier, self.lock, self.stats_counts, self._stop)
+        self.slab_sums = SlabSums(self.tier, lock, counts, stop)
         # (every field the threads read is set above: the maintenance thread's first stats() may run at once)
         self._thread = threading.Thread(target=self._maintain, name="kvmesh-node-maintenance", daemon=True)
         self._thread.start()
@@ -222,6 +196,9 @@ class KVNode:
             cfg.slot_bytes,
             self.tier.path,
         )
+
+    def _peer(self, node_id: str):
+        return self.peers(node_id)  # (looked up at each call: tests without Ray set `peers`)
 
     @property
     def lease(self):
@@ -364,17 +341,7 @@ class KVNode:
             held = {(g, k[:FIELD_BYTES]): t for g, k, t in registrable if (g, k) not in unlisted}
             groups = {g for g, _k, _t in registrable}
         if directory and not self.fenced:
-            listed = self.directory.entries_of(self.lease.incarnation)
-            unfindable = held.keys() - listed.keys()
-            phantom = listed.keys() - held.keys()
-            assert not unfindable, f"{len(unfindable)} chunk(s) held but not in the directory"
-            assert not phantom, f"{len(phantom)} directory entries for chunks not held"
-            moved = [c for c, t in held.items() if listed[c] != t]
-            assert not moved, f"{len(moved)} directory entries name the wrong tier"
-            indexed = self.directory.redis.smembers(self.directory.own_key(self.lease.incarnation))
-            assert indexed == groups, (
-                f"the purge index lists {len(indexed - groups)} group(s) not held and misses {len(groups - indexed)}"
-            )
+            self.registrar.check_listed(held, groups)
 
     # -- the end -------------------------------------------------------------------------------------------------
     def kill(self) -> None:
@@ -382,7 +349,7 @@ class KVNode:
         janitors purge the entries); its handles refuse calls from now on, its peers' connections are refused,
         its directory connection and disk files close. The slab stays, as a killed process's does, until
         `shutdown` frees what is left."""
-        if self._stop.is_set():
+        if self._closed:
             return
         self._killed = True
         self._halt()
@@ -390,7 +357,7 @@ class KVNode:
         self._close_io()
 
     def shutdown(self) -> None:
-        if self._stop.is_set() and not self._killed:
+        if self._closed and not self._killed:
             return
         if not self._killed:
             self._halt()

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from kvmesh.cascade import Cascade
+from kvmesh.config import KVMeshConfig
 from kvmesh.dataplane.fetcher import Fetcher, FetchOptions
 from kvmesh.dataplane.sources import Env
 from kvmesh.directory import Holder
@@ -124,13 +125,14 @@ class PullThrough:
         peers: Callable,
         store: Callable,
         post_changes: Callable[[], int],
-        pull_batch_bytes: int,
+        config: KVMeshConfig,
     ) -> None:
         """`lock`: the node's (guards the cascade, `counts` and the chunks in flight); `peers(node_id)`: a handle of
         that node's KVNode, or None; `store(items, buf)`: the node's store path (chunks that land in a buffer when a
         GPU tier sits above the slab); `post_changes` (under the lock): the cascade's changes to the registrar."""
         self.node_id, self._lock, self.counts, self.cascade, self.replicas = node_id, lock, counts, cascade, replicas
-        self.view, self._store, self._post_changes, self.pull_batch_bytes = view, store, post_changes, pull_batch_bytes
+        self.view, self._store, self._post_changes = view, store, post_changes
+        self.pull_batch_bytes = config.pull_batch_bytes  # a peer run's batches: at most this many bytes each
         self._inflight = InflightPulls()  # chunks being pulled for this node's readers (under the node's lock)
         self._data = DataClient()  # this node's connections to peers' DataServers
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-node-pull")

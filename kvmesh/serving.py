@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvmesh.cascade import Cascade
+from kvmesh.config import KVMeshConfig
 from kvmesh.handle import Pinned, Pulled
 from kvmesh.lastcopy import LastCopies
 from kvmesh.replication import Replicas
@@ -57,8 +58,7 @@ class Serving:
         lock,
         counts: Counter,
         node_id: str,
-        pin_ttl_s: float,
-        promote_on_hit: bool,
+        config: KVMeshConfig,
         last_copies: LastCopies,
         replicas: Replicas,
         post_changes: Callable[[], int],
@@ -68,7 +68,7 @@ class Serving:
         """`lock`: the node's (guards the cascade, `counts` and this part's tables); `post_changes` (under it): the
         cascade's changes to the registrar; `event(kind, reason, detail)`: the live page's events."""
         self.cascade, self.tier, self.lock, self.counts, self.node_id = cascade, cascade.cpu, lock, counts, node_id
-        self.pin_ttl_s, self.promote_on_hit = pin_ttl_s, promote_on_hit
+        self.pin_ttl_s, self.promote_on_hit = config.pin_ttl_s, config.promote_on_hit
         self.last_copies, self.replicas = last_copies, replicas
         self._post_changes, self._event, self._stop = post_changes, event, stop
         self.gpu_readable = False  # the GPU tier's pools are exported to same-node readers (CUDA IPC)

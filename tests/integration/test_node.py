@@ -359,7 +359,9 @@ def test_gpu_tier_first_then_demotion_and_promotion_with_the_directory_tracking(
     assert gpu_node.stats()["demotions"] == 2
     header, data = gpu_node.pull(pack_keys([k(3), k(4), k(1)]))  # peers read every tier, bit-exact
     assert data.size == 3 * SLOT and [int(data[i * SLOT]) for i in range(3)] == [3, 4, 1]
-    time.sleep(0.5)  # a maintenance pass: 1 is not promoted, it would evict 3 or 4 of the same hit
+    rounds = gpu_node.maintenance_rounds
+    wait_until(lambda: gpu_node.maintenance_rounds >= rounds + 2, 5)  # a whole maintenance pass since the pull: 1
+    # is not promoted, it would evict 3 or 4 of the same hit
     assert gpu_node.stats()["promotions"] == 0
     header, data = gpu_node.pull(pack_keys([k(1), k(2)]))
     # the hit on 1 and 2 (CPU only) promotes them on the next maintenance pass; 3 and 4 go down (they have

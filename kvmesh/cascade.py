@@ -10,6 +10,7 @@ is handed on its I/O threads, and turns `changes` into directory updates.
                                             `reads` are disk chunks to bring up first (CPU slots reserved)
     finish_host(keys, n, reads, ok) -> [slot]   phase 2: pins the leading run that made it into the CPU slab
     take_writes() -> [WriteJob]             disk writes to run (demotions, write-through); `finish_write` after
+                                            (`writeback.py`: the write-back side, its buffers and pending writes)
     promote(keys) -> int                    copy CPU-only chunks up into the GPU tier (promotion on hit)
     discard(key)                            forget a chunk everywhere (corruption)
     ready_chunks() -> [(group, key, tier)]  everything held, with its best tier
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING
 from kvmesh.tiers import TIER_CPU, TIER_DISK, TIER_GPU, TIER_NAMES
 from kvmesh.tiers.cpu import CpuTier
 from kvmesh.tiers.slots import SlotPool, StoreTicket
+from kvmesh.writeback import WriteBack, WriteJob
 
 if TYPE_CHECKING:
     from kvmesh.tiers.disk import DiskTier
@@ -47,19 +49,6 @@ def _bytes(view):
 
 
 @dataclass(slots=True)
-class WriteJob:
-    """One chunk bound for the disk tier; `data` (a page-aligned pool buffer) holds its bytes."""
-
-    ticket: StoreTicket  # the disk slot, reserved (writing)
-    data: object
-    nbytes: int
-    group: bytes
-    checksum: int
-    buffer: object = None  # the pool buffer to return
-    demotion: bool = False  # the chunk left the CPU tier for the disk (a write-back, not a write-through)
-
-
-@dataclass(slots=True)
 class DiskRead:
     key: bytes
     disk_slot: int
@@ -69,7 +58,7 @@ class DiskRead:
 
 
 @dataclass
-class Cascade:
+class Cascade(WriteBack):
     cpu: CpuTier
     gpu: GpuTier | None = None
     disk: DiskTier | None = None
@@ -116,7 +105,8 @@ class Cascade:
     def top(self) -> SlotPool:
         return self.gpu if self.gpu is not None else self.cpu
 
-    def _tiers(self):
+    def tiers(self) -> list[SlotPool]:
+        """The tiers there are, best first."""
         return [t for t in (self.gpu, self.cpu, self.disk) if t is not None]
 
     @property
@@ -126,25 +116,34 @@ class Cascade:
         return self.disk
 
     def best_tier(self, key: bytes) -> int | None:
-        for t in self._tiers():
+        for t in self.tiers():
             if t.slot_of(key) is not None:
                 return t.tier_id
         return None
 
     def holds_group(self, group: bytes) -> bool:
         """Whether any tier holds (or is receiving) a chunk of prompt group `group`."""
-        return any(t.group_counts.get(group) for t in self._tiers())
+        return any(t.group_counts.get(group) for t in self.tiers())
 
     def holds(self, key: bytes) -> bool:
-        return any(key in t._by_key for t in self._tiers())
+        return any(key in t for t in self.tiers())
 
     def pinned(self, key: bytes) -> bool:
         """Whether a reader (or a writer) holds a pin on the chunk in any tier."""
-        for t in self._tiers():
-            i = t._by_key.get(key)
-            if i is not None and t.record(i).pins:
-                return True
-        return False
+        return any(t.pinned(key) for t in self.tiers())
+
+    def writing(self, key: bytes) -> bool:
+        """Whether the chunk is on its way to the disk tier (its write-back still in memory, not on disk yet)."""
+        return key in self._pending
+
+    def record_change(self, group: bytes, key: bytes) -> None:
+        """The directory is to show the chunk at its best tier now (or not at all, if no tier holds it)."""
+        self.changes[(group, key)] = self.best_tier(key)
+
+    def count_read_error(self, code: str) -> None:
+        """A disk read failed with `code` (an errno name): counted, and exported by it (disk_read_E*)."""
+        self.counts["disk_read_errors"] += 1
+        self.counts[f"disk_read_{code}"] = self.counts.get(f"disk_read_{code}", 0) + 1
 
     # -- placing ------------------------------------------------------------------------------------------------
     def prepare(self, key: bytes, group: bytes, nbytes: int, protect=frozenset()) -> StoreTicket | None:
@@ -156,6 +155,7 @@ class Cascade:
     def complete(self, ticket: StoreTicket, chunk_checksum: int) -> None:
         tier = self.top
         tier.complete_store(ticket, chunk_checksum)
+        self._stored()
         rec = tier.record(ticket.slot)
         self.changes[(rec.group, rec.key)] = tier.tier_id
         if tier is self.cpu:
@@ -165,19 +165,17 @@ class Cascade:
         """A chunk a same-node writer copied device to device into a GPU-tier slot `prepare` reserved."""
         assert self.gpu is not None  # (prepare reserved the slot in it)
         self.gpu.complete_device_store(ticket, device_sum)
+        self._stored()
         rec = self.gpu.record(ticket.slot)
         self.changes[(rec.group, rec.key)] = self.gpu.tier_id
 
+    def _stored(self) -> None:
+        """A chunk came into the node and became readable (a store, a pull-through, a device-to-device store): the
+        one place `stored_chunks` is counted."""
+        self.counts["stored_chunks"] = self.counts.get("stored_chunks", 0) + 1
+
     def abort(self, ticket: StoreTicket) -> None:
         self.top.abort_store(ticket)
-
-    def _write_through(self, cpu_slot: int) -> None:
-        if self.disk is None or self.write_policy != "write_through":
-            return
-        key = self.cpu.record(cpu_slot).key
-        assert key is not None  # (the chunk just stored)
-        if self.disk.slot_of(key) is None:
-            self._queue_write(cpu_slot)  # if the buffers are all in use, write-back on eviction still applies
 
     def _evicting(self, tier: SlotPool):
         def on_evict(slot: int) -> None:
@@ -205,85 +203,26 @@ class Cascade:
         return on_evict
 
     def _above_or_on_disk(self, key: bytes) -> bool:
-        return (self.gpu is not None and key in self.gpu._by_key) or key in self._disk._by_key
+        return (self.gpu is not None and key in self.gpu) or key in self._disk
 
     def _best_except(self, key: bytes, leaving: SlotPool) -> int | None:
-        for t in self._tiers():
-            if t is not leaving and key in t._by_key:
+        for t in self.tiers():
+            if t is not leaving and key in t:
                 return t.tier_id
         return None
-
-    def _queue_write(self, cpu_slot: int, demotion: bool = False) -> bool:
-        """Copy a CPU chunk aside into a write buffer and queue it for the disk; the slab slot stays free to be
-        evicted and reused at once (write-back), and a store is never refused for a write in flight."""
-        from kvmesh.tiers.disk import aligned_buffer
-
-        rec = self.cpu.record(cpu_slot)
-        if not self._pool and self._pool_made >= self.writeback_buffers:
-            self.counts["write_buffers_full"] += 1
-            return False
-        assert rec.key is not None  # (a chunk being evicted or written through)
-        t = self._disk.prepare_store(rec.key, rec.group, rec.nbytes, on_evict=self._evicting(self._disk))
-        if t is None:
-            return False
-        if self._pool:
-            buf = self._pool.pop()
-        else:
-            buf = aligned_buffer(self.cpu.slot_bytes)
-            self._pool_made += 1
-        memoryview(buf)[: rec.nbytes] = self.cpu.chunk_view(cpu_slot)
-        job = WriteJob(t, buf, rec.nbytes, rec.group, rec.checksum, buffer=buf, demotion=demotion)
-        self._writes.append(job)
-        self._pending[rec.key] = job  # readable from the buffer until it is on disk
-        return True
-
-    def writeback_full(self) -> bool:
-        """Whether a store now would evict from the CPU tier with every write-back buffer in use: the evicted
-        chunk would be dropped instead of going to the disk. The node's store waits (briefly, not under the lock)
-        for the disk writers to give a buffer back first."""
-        return (
-            self.disk is not None
-            and not self._pool
-            and self._pool_made >= self.writeback_buffers
-            and not self.cpu._free
-        )
-
-    def take_writes(self) -> list[WriteJob]:
-        out, self._writes = self._writes, []
-        return out
-
-    def finish_write(self, job: WriteJob, ok: bool) -> None:
-        key = job.ticket.key
-        if self._pending.get(key) is job:
-            del self._pending[key]
-        if ok:
-            self._disk.complete_store(job.ticket, job.checksum)
-            self.counts["disk_writes"] += 1
-            self.counts["demotions"] += job.demotion
-            self._flow(self.cpu, self._disk, job.nbytes)
-        else:
-            self._disk.abort_store(job.ticket)
-            self.counts["disk_write_errors"] += 1
-            if self.best_tier(key) is None:  # it had left the CPU tier for this write: gone from the node
-                self.counts["drops"] += 1
-        if self.on_written is not None:
-            self.on_written(job, ok)
-        if job.buffer is not None:
-            self._pool.append(job.buffer)
-        self.changes[(job.group, key)] = self.best_tier(key)
 
     def _copy(self, src: SlotPool, slot: int, dst: SlotPool, protect=frozenset()) -> int | None:
         """Copy the chunk in src's slot into a new slot of dst (memory tiers); None if dst had no room."""
         rec = src.record(slot)
         assert rec.key is not None  # (a chunk being copied between tiers)
-        src._slots[slot].pins += 1  # making room in dst may demote into src (GPU to CPU): never into this slot
+        src.hold(slot)  # making room in dst may demote into src (GPU to CPU): never into this slot
         try:
             t = dst.prepare_store(rec.key, rec.group, rec.nbytes, on_evict=self._evicting(dst), protect=protect)
             if t is None:
                 return None
             _bytes(dst.buffer(t.slot))[: rec.nbytes].copy_(_bytes(src.buffer(slot))[: rec.nbytes])
         finally:
-            src.unpin([slot])
+            src.release(slot)
         carried = rec.checksum if dst is self.gpu else src.host_checksum(slot, dst.buffer(t.slot)[: rec.nbytes])
         if carried is None:  # a chunk from an engine's GPU whose device bytes fail their device checksum
             dst.abort_store(t)
@@ -314,15 +253,15 @@ class Cascade:
             if self.cpu.slot_of(key) is not None:
                 pass
             elif self.gpu is not None and (gslot := self.gpu.slot_of(key)) is not None:
-                self.gpu._slots[gslot].pins += 1  # keep it while copying
+                self.gpu.hold(gslot)  # keep it while copying
                 try:
                     copied = self._copy(self.gpu, gslot, self.cpu, protect)
                 finally:
-                    self.gpu._slots[gslot].pins -= 1
+                    self.gpu.release(gslot)
                 if copied is None:
                     break
                 self.counts["host_copies"] += 1
-            elif key in self._pending:  # on its way to disk: serve it from the write-back buffer
+            elif self.writing(key):  # on its way to disk: serve it from the write-back buffer
                 job = self._pending[key]
                 t = self.cpu.prepare_store(
                     key, job.group, job.nbytes, on_evict=self._evicting(self.cpu), protect=protect
@@ -335,12 +274,14 @@ class Cascade:
                 self.counts["writeback_hits"] += 1
             elif self.disk is not None and (dslot := self.disk.slot_of(key)) is not None:
                 rec = self.disk.record(dslot)
-                rec.pins += 1  # before making room: a CPU eviction's write-back may take a disk slot, never this one
+                self.disk.hold(
+                    dslot
+                )  # before making room: a CPU eviction's write-back may take a disk slot, never this one
                 t = self.cpu.prepare_store(
                     key, rec.group, rec.nbytes, on_evict=self._evicting(self.cpu), protect=protect
                 )
                 if t is None:
-                    self._disk.unpin([dslot])
+                    self._disk.release(dslot)
                     break
                 reads.append(DiskRead(key, dslot, t, rec.nbytes, rec.checksum))
             else:
@@ -355,7 +296,7 @@ class Cascade:
                 self._disk.unpin([r.disk_slot])
             if fine:
                 self.cpu.complete_store(r.ticket, r.checksum)
-                self.changes[(self.cpu.record(r.ticket.slot).group, r.key)] = self.best_tier(r.key)
+                self.record_change(self.cpu.record(r.ticket.slot).group, r.key)
                 self.counts["disk_reads"] += 1
                 self._flow(self._disk, self.cpu, r.nbytes)
             else:
@@ -365,7 +306,7 @@ class Cascade:
         for t in (self.gpu, self.disk):
             if t is not None:
                 for key in reversed(keys[: len(slots)]):  # the head most recent: the tail is evicted first
-                    t._policy.touch(key)
+                    t.touch(key)
         return slots
 
     def run_reads(self, reads: list[DiskRead]) -> list[bool]:
@@ -389,10 +330,8 @@ class Cascade:
                     pass
                 self._corrupt.append(r.key)
             elif outcome != READ_OK:  # an I/O error (a bad sector): a copy that cannot be read is no copy, and
-                self.counts["disk_read_errors"] += 1  # one left listed would be found, and missed, by every lookup
-                code = f"disk_read_{outcome.partition(':')[2] or 'EIO'}"  # (exported by errno: disk_read_E*)
-                self.counts[code] = self.counts.get(code, 0) + 1
-                self._unreadable.append(r.key)
+                self.count_read_error(outcome.partition(":")[2] or "EIO")  # one left listed would be found, and
+                self._unreadable.append(r.key)  # missed, by every lookup
         return [o == READ_OK for o in outcomes]
 
     def pin_host(self, keys: list[bytes]) -> list[int]:
@@ -429,17 +368,16 @@ class Cascade:
 
     def discard(self, key: bytes) -> None:
         group = None
-        for tier in self._tiers():
-            i = tier._by_key.get(key)
-            if i is not None:
-                group = tier.record(i).group
+        for tier in self.tiers():
+            if (g := tier.group_of(key)) is not None:
+                group = g
                 tier.discard(key)
         if group is not None:
             self.changes[(group, key)] = None
 
     def ready_chunks(self) -> list[tuple[bytes, bytes, int]]:
         seen: dict[bytes, tuple[bytes, bytes, int]] = {}
-        for tier in reversed(self._tiers()):  # best tier last, so it wins
+        for tier in reversed(self.tiers()):  # best tier last, so it wins
             for group, key in tier.ready_chunks():
                 seen[key] = (group, key, tier.tier_id)
         return list(seen.values())
@@ -449,7 +387,7 @@ class Cascade:
         return out
 
     def check_integrity(self, verify_checksums: bool = False) -> None:
-        for tier in self._tiers():
+        for tier in self.tiers():
             tier.check_integrity(verify_checksums and tier is not self.disk)
         for job in self._writes:
             assert self.disk is not None and not self.disk.record(job.ticket.slot).ready

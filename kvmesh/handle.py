@@ -1,11 +1,10 @@
-"""Typed handles in front of KVNodes: the only code that packs and unpacks the KVNode actor's wire messages.
+"""Typed handles in front of KVNodes: the caller's side of the KVNode actor's wire messages (`actor.KVNodeActor`
+is the node's side). Never imports the node.
 
     NodeHandle(actor, node_id)    a KVNode actor, through Ray. Calls return a `Pending` (the request is on its way;
                                   `result(timeout)` waits for the typed reply)
     LocalHandle(node)             a `KVNode` object of this process, same interface (no Ray: unit tests, the GPU
                                   machine); its calls run at once, in the caller's thread
-    KVNodeActor(...)              the class Ray runs: wire messages in, typed `KVNode` calls, wire messages out.
-                                  Malformed messages raise `WireError` and never reach the node
 
 A handle's calls, and whether they change the node:
 
@@ -48,24 +47,14 @@ from kvmesh.wire import (
     PullThrough,
     StoreItem,
     WireError,
-    pack_chunk_header,
     pack_gpu_commit,
     pack_gpu_reserve,
-    pack_gpu_reserved,
     pack_keys,
-    pack_pin_reply,
     pack_pull_through,
     pack_store,
     unpack_chunk_header,
-    unpack_gpu_commit,
-    unpack_gpu_reserve,
     unpack_gpu_reserved,
-    unpack_keys,
     unpack_pin_reply,
-    unpack_pin_request,
-    unpack_pull_through,
-    unpack_request,
-    unpack_store,
 )
 
 NAMESPACE = "kvmesh"
@@ -324,7 +313,7 @@ class LocalHandle:
         self.orphans = None
 
     def _live(self):
-        if getattr(self.node, "_closed", False):  # as a dead actor's handle would
+        if getattr(self.node, "closed", False):  # as a dead actor's handle would
             raise NodeCallError(f"KVNode {self.node_id[:8]} is shut down")
         return self.node
 
@@ -335,7 +324,7 @@ class LocalHandle:
         return Done.of(lambda: self._live().pin(keys, self.requester, gpu, hold_s))
 
     def unpin(self, pin_id: int) -> None:
-        if not getattr(self.node, "_closed", False):
+        if not getattr(self.node, "closed", False):
             self.node.unpin(pin_id)
 
     def pull(self, keys: list[bytes]) -> Pending[Pulled]:
@@ -354,111 +343,8 @@ class LocalHandle:
         return Done.of(lambda: self._live().commit_gpu(reservation_id, sums))
 
     def report_corrupt(self, keys: list[bytes]) -> None:
-        if not getattr(self.node, "_closed", False):
+        if not getattr(self.node, "closed", False):
             self.node.report_corrupt(keys)
 
     def stats(self, timeout: float = 30.0) -> dict:
         return self._live().stats()
-
-
-# -- the node's side ---------------------------------------------------------------------------------------------
-def _restarted() -> bool:
-    """Whether this process is a Ray actor that Ray restarted (not its first start, nor a plain object)."""
-    try:
-        import ray
-
-        return bool(ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed)
-    except Exception:
-        return False
-
-
-class KVNodeActor:
-    """What Ray runs on each node (`kvmesh.start` wraps it with `ray.remote`): the wire edge of a `KVNode`. Also
-    usable as a plain object (the fuzz tests feed it malformed messages without Ray)."""
-
-    def __init__(self, config, node_id: str, actor_name: str = "", host: str = "127.0.0.1") -> None:
-        import logging
-        import time
-
-        import redis
-
-        from kvmesh.node import KVNode
-
-        wait = 0.5
-        while True:
-            try:
-                self.node = KVNode(config, node_id, actor_name, host, restarted=_restarted())
-                return
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                # Ray restarting this actor (its process died) while the directory is away: a creation that fails
-                # is never retried, whatever max_restarts says, and the node would have no KVNode for good. So a
-                # restart waits for the directory instead; a first start fails at once (its caller probed Redis)
-                if not _restarted():
-                    raise
-                logging.getLogger("kvmesh.node").warning(
-                    "KVNode %s: the directory cannot be reached (%s); joining again in %.1f s", node_id[:8], e, wait
-                )
-                time.sleep(wait)
-                wait = min(5.0, wait * 2)
-
-    @classmethod
-    def around(cls, node) -> KVNodeActor:
-        """The wire edge of an existing KVNode object (tests speak wire messages to it in-process)."""
-        edge = cls.__new__(cls)
-        edge.node = node
-        return edge
-
-    def hello(self) -> bytes:
-        return self.node.hello().pack()
-
-    def pin(self, request: bytes) -> bytes:
-        keys, requester, gpu, hold_ms = unpack_pin_request(request)
-        p = self.node.pin(keys, requester, gpu, hold_ms / 1000)
-        return pack_pin_reply(p.pin_id, p.chunks, p.slab_path, p.gpu)
-
-    def unpin(self, pin_id: int) -> None:
-        if isinstance(pin_id, bool) or not isinstance(pin_id, int):
-            raise WireError(f"pin_id must be an int, got {type(pin_id).__name__}")
-        self.node.unpin(pin_id)
-
-    def pull(self, request: bytes) -> tuple[bytes, np.ndarray]:
-        keys, requester = unpack_request(request, "PullRequest")
-        p = self.node.pull(keys, requester)
-        return pack_chunk_header(p.rows), p.data
-
-    def pull_through(self, request: bytes) -> bytes:
-        p = self.node.pull_through(unpack_pull_through(request))
-        return pack_pin_reply(p.pin_id, p.chunks, p.slab_path)
-
-    def store(self, request: bytes, data) -> int:
-        items = unpack_store(request)
-        buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
-        if buf.dtype != np.uint8 or buf.ndim != 1 or buf.size != sum(i.nbytes for i in items):
-            raise WireError("StoreRequest: buffer size does not match the header")
-        return self.node.store(items, buf)
-
-    def report_corrupt(self, request: bytes) -> int:
-        return self.node.report_corrupt(unpack_keys(request, "PinRequest"))
-
-    def reserve_gpu(self, request: bytes) -> bytes:
-        items, requester = unpack_gpu_reserve(request)
-        return pack_gpu_reserved(self.node.reserve_gpu(items, requester))
-
-    def commit_gpu(self, request: bytes) -> int:
-        return self.node.commit_gpu(*unpack_gpu_commit(request))
-
-    def stats(self) -> dict:
-        return self.node.stats()
-
-    def check_integrity(self, verify_checksums: bool = True, directory: bool = False) -> None:
-        self.node.check_integrity(verify_checksums, directory)
-
-    def locate(self, keys: list) -> list:
-        """Where the chunks are held on this node, for diagnostics: per key, [tier, file, byte offset] of each copy
-        in a memory-mapped or disk tier."""
-        if not isinstance(keys, list) or not all(isinstance(k, bytes) for k in keys):
-            raise WireError("locate: keys must be a list of bytes")
-        return self.node.locate(keys)
-
-    def shutdown(self) -> None:
-        self.node.shutdown()

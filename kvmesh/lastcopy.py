@@ -6,11 +6,13 @@
                                to this node's disk tier. Decides with `policy.save_last_copy`; a chunk worth saving
                                that had no room on disk is copied aside and queued for a handoff. Under the node's
                                lock, no I/O: a memory copy of one chunk at most
+    watch(cascade, replicas)   the cascade's eviction hooks (`on_leave`, `on_written`) call `leaving` from here on
+    forget(key)                mutates: a chunk dropped as corrupt is neither saved on disk nor handed off
     shutdown()                 mutates: stops the handoff thread (queued handoffs are dropped)
 
 The order of choices: a chunk demoted to this node's disk tier (the cascade does that whenever it has a disk tier
 with room) is safe already and counted as saved there (until the disk evicts it in its turn: chunks leaving from
-the disk tier are not handed off). It is judged once its disk write ends (the node's `_on_written`): one the disk
+the disk tier are not handed off). It is judged once its disk write ends (`on_written`): one the disk
 refused (full, failing) has left the node then, its bytes still in the write buffer, and goes on as any chunk
 leaving the node; a chunk that leaves the node, was read by other nodes lately (a replica pulled
 from elsewhere too: its source may have evicted the original since), and whose expected recompute outweighs a
@@ -39,7 +41,10 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from kvmesh.cascade import Cascade
 from kvmesh.policy import Leaving, save_last_copy
+from kvmesh.replication import Replicas
+from kvmesh.tiers import TIER_DISK
 from kvmesh.wire import StoreItem
 
 log = logging.getLogger("kvmesh.lastcopy")
@@ -90,6 +95,15 @@ class LastCopies:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvmesh-node-handoff", daemon=True)
         self._thread.start()
+        # chunks that left the slab for a disk write still in flight: key -> whether a replica; judged once the
+        # write ends (saved on disk, or leaving the node if the disk refused it)
+        self.leaving_to_disk: dict[bytes, bool] = {}
+        self._cascade: Cascade | None = None
+        self._replicas: Replicas | None = None
+
+    def watch(self, cascade: Cascade, replicas: Replicas) -> None:
+        self._cascade, self._replicas = cascade, replicas
+        cascade.on_leave, cascade.on_written = self.on_leave, self.on_written
 
     # -- under the node's lock -----------------------------------------------------------------------------------
     def read_by_peer(self, key: bytes) -> None:
@@ -136,6 +150,35 @@ class LastCopies:
         data = np.frombuffer(view(), dtype=np.uint8)[:nbytes].copy()
         self.counts["handoffs_queued"] += 1
         self._queue.put(Handoff(group, key, nbytes, checksum, data))
+
+    def on_leave(self, slot: int, rec, below: int | None) -> None:
+        """The cascade evicts from the slab; the chunk's bytes are still in `slot`."""
+        assert self._cascade is not None and self._replicas is not None  # (`watch` set the hook)
+        if below is not None and below != TIER_DISK:
+            return  # (a copy stays in the GPU tier above)
+        if below == TIER_DISK and self._cascade.writing(rec.key):  # not on disk yet: the disk may refuse it
+            self.leaving_to_disk[rec.key] = self._replicas.is_replica(rec.key)
+            return
+        cpu = self._cascade.cpu
+        replica = self._replicas.is_replica(rec.key)
+        self.leaving(
+            rec.key, rec.group, rec.nbytes, rec.checksum, lambda: cpu.chunk_view(slot), below is not None, replica
+        )
+
+    def on_written(self, job, ok: bool) -> None:
+        """The cascade ends a disk write; the chunk's bytes are still in `job.data`."""
+        assert self._cascade is not None  # (`watch` set the hook)
+        key = job.ticket.key
+        replica = self.leaving_to_disk.pop(key, None)
+        if replica is None:
+            return  # (it never left the slab for this write)
+        if not ok and self._cascade.best_tier(key) is not None:
+            return  # (back in the slab meanwhile: it leaves again later)
+        data = job.data
+        self.leaving(key, job.group, job.nbytes, job.checksum, lambda: memoryview(data), ok, replica)
+
+    def forget(self, key: bytes) -> None:
+        self.leaving_to_disk.pop(key, None)
 
     # -- the handoff thread --------------------------------------------------------------------------------------
     def _loop(self) -> None:

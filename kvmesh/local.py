@@ -318,7 +318,7 @@ class LocalRayCluster:
     def shutdown(self) -> None:
         import ray
 
-        from kvmesh.node import remove_stale_slabs
+        from kvmesh.tiers.build import remove_stale_slabs
 
         ray.shutdown()
         self.cluster.shutdown()

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvmesh.config import KVMeshConfig
 from kvmesh.forks import ForkedProcessError, inherited_ray
-from kvmesh.handle import ACTOR_PREFIX, NAMESPACE, KVNodeActor, NodeHandle, NodeHello, actor_name
+from kvmesh.handle import ACTOR_PREFIX, NAMESPACE, NodeHandle, NodeHello, actor_name
 from kvmesh.redisconn import same_server
 from kvmesh.wire import NodeInfo
 
@@ -50,6 +50,8 @@ def _require_ray():
 
 def kvnode_actor_class():
     import ray
+
+    from kvmesh.actor import KVNodeActor  # (the node itself: imported where one is started, not by every client)
 
     return ray.remote(KVNodeActor)
 

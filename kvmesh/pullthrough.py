@@ -8,20 +8,31 @@ within a window is kept, up to a bound on replicated bytes.
                  (and is registered) once it arrived verified; slots of chunks that did not arrive are freed
     BufferSink   into a buffer, then the node's store path (when a GPU tier sits above the slab)
     PullThrough  the node's part: claim, pull (one `Fetcher.fetch` from the holder), release, then pin for the reader
+
+`PullThrough` builds its own `Fetcher` (with this node's connections to its peers' DataServers and the
+`kvmesh-node-pull-*` threads), so the node itself never imports the data plane.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvmesh.cascade import Cascade
+from kvmesh.config import KVMeshConfig
 from kvmesh.dataplane.fetcher import Fetcher, FetchOptions
+from kvmesh.dataplane.sources import Env
 from kvmesh.directory import Holder
 from kvmesh.inflight import InflightPulls
 from kvmesh.match import ChunkMatch
+from kvmesh.nodeview import NodeView
+from kvmesh.replication import Replicas
 from kvmesh.tiers import TIER_CPU
+from kvmesh.transport import DataClient
 from kvmesh.wire import PullThrough as PullRequest
 from kvmesh.wire import StoreItem
 
@@ -29,12 +40,13 @@ from kvmesh.wire import StoreItem
 class SlotSink:
     """Chunk i lands in `tickets[i]`'s slab slot."""
 
-    def __init__(self, node, tickets: list, nbytes: int) -> None:
-        self.node, self.tickets, self.nbytes = node, tickets, nbytes
+    def __init__(self, cascade: Cascade, lock, post_changes: Callable[[], int], tickets: list, nbytes: int) -> None:
+        self.cascade, self.lock, self._post_changes = cascade, lock, post_changes
+        self.tickets, self.nbytes = tickets, nbytes
         self._sums: dict[int, int] = {}
 
     def _buf(self, i: int) -> np.ndarray:
-        return np.frombuffer(self.node.tier.buffer(self.tickets[i].slot), dtype=np.uint8)[: self.nbytes]
+        return np.frombuffer(self.cascade.cpu.buffer(self.tickets[i].slot), dtype=np.uint8)[: self.nbytes]
 
     def prepare(self, staged: Sequence[int]) -> None:
         pass
@@ -55,23 +67,21 @@ class SlotSink:
         fn()
 
     def finish(self, n: int) -> int:
-        node = self.node
-        with node.lock:
+        with self.lock:
             for j, t in enumerate(self.tickets):
                 if j < n:
-                    node.cascade.complete(t, self._sums[j])
+                    self.cascade.complete(t, self._sums[j])
                 else:
-                    node.cascade.abort(t)
-            node.stats_counts["stored_chunks"] += n
-        node.post_changes()
+                    self.cascade.abort(t)
+            self._post_changes()
         return n
 
 
 class BufferSink:
     """Chunks land back to back in one buffer, then go through the node's store path (checked again there)."""
 
-    def __init__(self, node, keys: list[bytes], group: bytes, nbytes: int) -> None:
-        self.node, self.keys, self.group, self.nbytes = node, keys, group, nbytes
+    def __init__(self, store: Callable, keys: list[bytes], group: bytes, nbytes: int) -> None:
+        self.store, self.keys, self.group, self.nbytes = store, keys, group, nbytes
         self.buf = np.empty(len(keys) * nbytes, dtype=np.uint8)
         self._sums: dict[int, int] = {}
 
@@ -97,23 +107,49 @@ class BufferSink:
         if not n:
             return 0
         items = [StoreItem(self.group, k, self.nbytes, self._sums[j]) for j, k in enumerate(self.keys[:n])]
-        return self.node.store(items, self.buf[: n * self.nbytes])
+        return self.store(items, self.buf[: n * self.nbytes])
 
 
 class PullThrough:
     """A node's pull-throughs. `run(request)` brings what it can of the request's chunks by its deadline (or waits
     for the readers already bringing them); the caller then pins what is here."""
 
-    def __init__(self, node, fetcher: Fetcher, count: Callable[..., None]) -> None:
-        self.node, self.fetcher, self._count = node, fetcher, count
+    def __init__(
+        self,
+        node_id: str,
+        lock,
+        counts: Counter,
+        cascade: Cascade,
+        replicas: Replicas,
+        view: NodeView,
+        peers: Callable,
+        store: Callable,
+        post_changes: Callable[[], int],
+        config: KVMeshConfig,
+    ) -> None:
+        """`lock`: the node's (guards the cascade, `counts` and the chunks in flight); `peers(node_id)`: a handle of
+        that node's KVNode, or None; `store(items, buf)`: the node's store path (chunks that land in a buffer when a
+        GPU tier sits above the slab); `post_changes` (under the lock): the cascade's changes to the registrar."""
+        self.node_id, self._lock, self.counts, self.cascade, self.replicas = node_id, lock, counts, cascade, replicas
+        self.view, self._store, self._post_changes = view, store, post_changes
+        self.pull_batch_bytes = config.pull_batch_bytes  # a peer run's batches: at most this many bytes each
         self._inflight = InflightPulls()  # chunks being pulled for this node's readers (under the node's lock)
-        self._lock = node.lock
+        self._data = DataClient()  # this node's connections to peers' DataServers
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-node-pull")
+        self.fetcher = Fetcher(Env(node_id, None, None, 0, peers, view, self._data, self._pool))
+
+    def close(self) -> None:
+        self._data.close()
+        self._pool.shutdown(wait=False)
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.counts[name] += 1
 
     def run(self, req: PullRequest) -> None:
-        node = self.node
         deadline = time.monotonic() + req.deadline_ms / 1000
         with self._lock:
-            mine, theirs = self._inflight.claim(req.keys, node.cascade.holds)
+            mine, theirs = self._inflight.claim(req.keys, self.cascade.holds)
         pulled = 0
         try:
             if mine:
@@ -121,9 +157,9 @@ class PullThrough:
         finally:
             with self._lock:
                 events = self._inflight.release(mine)
-                node.stats_counts["pull_through_calls"] += 1
-                node.stats_counts["pull_through_pulled_chunks"] += pulled
-                node.stats_counts["pull_through_waited_chunks"] += len(theirs)
+                self.counts["pull_through_calls"] += 1
+                self.counts["pull_through_pulled_chunks"] += pulled
+                self.counts["pull_through_waited_chunks"] += len(theirs)
             for ev in events:
                 ev.set()
         for ev in theirs.values():  # another reader's transfer of these chunks; the tier says how it went
@@ -134,24 +170,23 @@ class PullThrough:
         """Bring the leading run of `keys` from the holder into this node's tiers; returns how many chunks landed.
         Those `Replicas.admit` keeps are registered (replicas), the rest only serve this pull's readers. Failures
         end the run early and are counted, never raised."""
-        node = self.node
-        if req.holder == node.node_id or node.view.info(req.holder, req.incarnation) is None:
+        cascade, replicas = self.cascade, self.replicas
+        if req.holder == self.node_id or self.view.info(req.holder, req.incarnation) is None:
             self._count("pull_through_holder_unknown")
             return 0
-        replicas = node.replicas
         readers = replicas.readers(req.group)  # (one Redis round trip, none where every pull is kept)
         asked = keys
         with self._lock:
             keep = replicas.admit(readers, req.nbytes, len(keys))
             # chunks not kept are never registered, and are dropped once their readers unpin them; not those a
             # store placed here meanwhile (the readers' count above is a Redis round trip): those stay registered
-            replicas.mark_transient([k for k in keys[keep:] if not node.cascade.holds(k)], req.group, req.nbytes)
-            direct = node.cascade.top is node.tier and req.nbytes <= node.tier.slot_bytes
+            replicas.mark_transient([k for k in keys[keep:] if not cascade.holds(k)], req.group, req.nbytes)
+            direct = cascade.top is cascade.cpu and req.nbytes <= cascade.cpu.slot_bytes
             if direct:
                 tickets = []
                 protect = frozenset(req.keys)
                 for key in keys:
-                    t = node.cascade.prepare(key, req.group, req.nbytes, protect)
+                    t = cascade.prepare(key, req.group, req.nbytes, protect)
                     if t is None:  # no unpinned slot to evict, or a store of it just began
                         break
                     tickets.append(t)
@@ -159,26 +194,24 @@ class PullThrough:
         n = 0
         try:
             if keys:
-                sink = SlotSink(node, tickets, req.nbytes) if direct else BufferSink(node, keys, req.group, req.nbytes)
-                holder = (Holder(req.holder, req.incarnation, TIER_CPU),)
-                opts = FetchOptions(
-                    req.nbytes,
-                    deadline,
-                    req.transport,
-                    False,
-                    req.group,
-                    max(1, node.config.pull_batch_bytes // req.nbytes),
+                sink = (
+                    SlotSink(cascade, self._lock, self._post_changes, tickets, req.nbytes)
+                    if direct
+                    else BufferSink(self._store, keys, req.group, req.nbytes)
                 )
+                holder = (Holder(req.holder, req.incarnation, TIER_CPU),)
+                per_batch = max(1, self.pull_batch_bytes // req.nbytes)
+                opts = FetchOptions(req.nbytes, deadline, req.transport, False, req.group, per_batch)
                 n, stats = self.fetcher.fetch([ChunkMatch(k, holder) for k in keys], sink, opts)
                 if stats.error:
                     self._count(f"pull_through_error_{stats.error}")
         finally:
             with self._lock:
-                replicas.settle(asked, req.nbytes, keep, n, node.cascade.holds)
+                replicas.settle(asked, req.nbytes, keep, n, cascade.holds)
                 kept = min(keep, n)
-                node.stats_counts["replicated_chunks_added"] += kept
-                node.stats_counts["replicated_bytes_added"] += kept * req.nbytes
-                node.stats_counts[
+                self.counts["replicated_chunks_added"] += kept
+                self.counts["replicated_bytes_added"] += kept * req.nbytes
+                self.counts[
                     "replication_refused_cold" if readers < replicas.min_readers else "replication_refused_bytes"
                 ] += max(0, n - keep)
         return n

@@ -300,13 +300,34 @@ class Registrar:
         with self._node_lock:
             return not self._holds_group(group)
 
-    def shutdown(self, held: list) -> None:
-        """Unregister `held` ((group, key, tier) of everything still held) and leave; the lease lapses on its own
-        if Redis does not answer."""
+    def check_listed(self, held: dict, groups: set) -> None:
+        """That the directory lists exactly `held` ((group, field) -> best tier) under this incarnation, and its
+        purge index exactly `groups` (raises AssertionError)."""
+        d, inc = self.directory, self.lease.incarnation
+        listed = d.entries_of(inc)
+        unfindable = held.keys() - listed.keys()
+        phantom = listed.keys() - held.keys()
+        assert not unfindable, f"{len(unfindable)} chunk(s) held but not in the directory"
+        assert not phantom, f"{len(phantom)} directory entries for chunks not held"
+        moved = [c for c, t in held.items() if listed[c] != t]
+        assert not moved, f"{len(moved)} directory entries name the wrong tier"
+        indexed = d.redis.smembers(d.own_key(inc))
+        assert indexed == groups, (
+            f"the purge index lists {len(indexed - groups)} group(s) not held and misses {len(groups - indexed)}"
+        )
+
+    def stop(self) -> None:
+        """Stop the thread, as a crash would: nothing is unregistered, the directory is not left (the lease lapses,
+        the janitors of other nodes purge the entries)."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout=5)
+
+    def shutdown(self, held: list) -> None:
+        """Unregister `held` ((group, key, tier) of everything still held) and leave; the lease lapses on its own
+        if Redis does not answer."""
+        self.stop()
         if self.fenced:
             return
         try:

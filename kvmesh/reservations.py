@@ -82,8 +82,7 @@ class Reservations:
                 else:
                     self.cascade.abort(t)
                     self.counts["store_d2d_mismatch" if s is not None else "store_d2d_not_written"] += 1
-            stored = sum(ok)
-            self.counts["stored_chunks"] += stored
+            stored = sum(ok)  # (counted as stored_chunks by the cascade, as every chunk that becomes readable)
             self.counts["stored_chunks_d2d"] += stored
             return stored, self._post_changes()
 

@@ -18,6 +18,8 @@ device-checksum thread, in two phases around the computation (the owner's lock h
     devsum_pending() -> int                     reads: readable chunks without one yet
     devsum_queued() -> int                      reads: chunks still queued for the thread
 
+`SlabSums` is that thread: it owns the loop, beside the slab it reads.
+
 A slot's device checksum is reset whenever it is taken for other bytes (`Slot.devsum`); a ready slot's bytes never
 change otherwise (only corruption changes them, which the xxh3 re-check or the reader's check catches).
 """
@@ -233,6 +235,56 @@ class CpuTier(SlotPool):
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+class SlabSums:
+    """The node's device-checksum thread (`kvmesh-node-devsum`): records the device checksum of every chunk that
+    becomes readable in the CPU slab (stores, copies from the GPU tier, disk reads, pull-throughs), a few at a time.
+    Off the store path on purpose: a store returns as soon as its chunks are verified and registered, and a reader
+    that pins a chunk before its sum is recorded checks it with xxh3, as it did before sums existed. A chunk whose
+    bytes no longer match its xxh3 gets no sum (its next reader finds it corrupt and reports it, as before). Never
+    pins, so it holds no chunk back from eviction. `lock` (the node's) is held to take work and to record; the sums
+    are computed without it. `counts` (under `lock`): slab_devsums, slab_devsums_refused."""
+
+    def __init__(self, tier: CpuTier, lock, counts, stop: threading.Event) -> None:
+        self.tier, self.lock, self.counts, self._stop = tier, lock, counts, stop
+        self.busy = 0  # chunks the thread is working on now (under the lock)
+        self._thread = threading.Thread(target=self._loop, name="kvmesh-node-devsum", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout=timeout)
+
+    def queued(self) -> int:
+        """Caller holds the lock: chunks waiting for a sum, and those being summed."""
+        return self.tier.devsum_queued() + self.busy
+
+    def _loop(self) -> None:
+        from kvmesh.tiers.devsum import Coefficients
+
+        coefficients = Coefficients()  # the constants, built once for this thread
+        while not self._stop.is_set():
+            with self.lock:
+                work = self.tier.take_devsum_work(4)
+                self.busy = len(work)
+            if not work:
+                self._stop.wait(0.02)
+                continue
+            sums: list[int | None] = []
+            try:
+                for w in work:
+                    sums.append(self.tier.compute_devsum(w, coefficients))
+            finally:
+                sums += [None] * (len(work) - len(sums))
+                with self.lock:
+                    for w, d in zip(work, sums):
+                        self.tier.finish_devsum(w, d)
+                    self.busy = 0
+                    recorded = sum(d is not None for d in sums)
+                    self.counts["slab_devsums"] += recorded
+                    self.counts["slab_devsums_refused"] += len(sums) - recorded
 
 
 class SlabReader:

@@ -9,6 +9,10 @@ Primitives (the owner calls them under its own lock; none block on I/O):
     abort_store(ticket)                                        mutates: the reservation is undone
     pin(keys) -> list[int]                                     mutates: pins the leading run of readable keys
     unpin(slots)                                               mutates
+    hold(slot) / release(slot)                                 mutates: one pin on a slot whatever it holds (a
+                                                               chunk being copied or read stays put meanwhile)
+    touch(key)                                                 mutates: the chunk becomes the policy's most recent
+    key in pool, pinned(key), group_of(key)                    reads: held (or being received), pinned, its group
     verify(slot) -> bool                                       pure: checksum of the slot's bytes matches
     host_checksum(slot, host_bytes) -> int | None              pure: the xxh3 a host copy of the chunk carries
     discard(key)                                               mutates: forget a chunk (freed once unpinned)
@@ -91,6 +95,18 @@ class SlotPool:
 
     def record(self, slot: int) -> Slot:
         return self._slots[slot]
+
+    def __contains__(self, key: bytes) -> bool:
+        """Whether a slot holds the chunk or is receiving it (`slot_of` answers only for readable ones)."""
+        return key in self._by_key
+
+    def pinned(self, key: bytes) -> bool:
+        i = self._by_key.get(key)
+        return i is not None and self._slots[i].pins > 0
+
+    def group_of(self, key: bytes) -> bytes | None:
+        i = self._by_key.get(key)
+        return None if i is None else self._slots[i].group
 
     def ready_chunks(self) -> list[tuple[bytes, bytes]]:
         """(group, key) of every readable chunk."""
@@ -231,6 +247,16 @@ class SlotPool:
             s.pins -= 1
             if s.pins == 0 and s.doomed:
                 self._release(i)
+
+    def hold(self, slot: int) -> None:
+        """One more pin on `slot`: it is neither evicted nor reused until `release`."""
+        self._slots[slot].pins += 1
+
+    def release(self, slot: int) -> None:
+        self.unpin([slot])
+
+    def touch(self, key: bytes) -> None:
+        self._policy.touch(key)
 
     def verify(self, slot: int) -> bool:
         s = self._slots[slot]

@@ -408,7 +408,7 @@ def r6_fuzz(mesh, examples: int) -> dict:
     import tempfile
 
     import kvmesh
-    from kvmesh.handle import KVNodeActor
+    from kvmesh.actor import KVNodeActor
     from kvmesh.local import RedisServer
     from kvmesh.node import KVNode
     from tests.chaos import fuzz

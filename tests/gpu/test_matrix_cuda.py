@@ -45,11 +45,11 @@ class PlainBackend:
         n = KVNode(self.configs[role], node_id, f"kvnode-{role}")
         # without Ray a node reaches its peers' KVNodes in this process (to report a corrupt copy to its holder)
         n.peers = lambda node: next((LocalHandle(p, n.node_id) for p in self.nodes.values()
-                                     if p.node_id == node and not p._closed), None)
+                                     if p.node_id == node and not p.closed), None)
         return n
 
     def client(self, role, **opts):
-        others = [n for r, n in self.nodes.items() if r != role and not n._closed]
+        others = [n for r, n in self.nodes.items() if r != role and not n.closed]
         return connect_local(mx.SPEC, self.nodes[role], peers=others, **opts)
 
     def store(self, role, toks, kv, only):
@@ -98,19 +98,11 @@ class PlainBackend:
             c.close()
 
     def kill(self, role):
-        n = self.nodes[role]
-        n._closed = True  # its handles refuse calls from now on, as a dead actor's would
-        n._stop.set()
-        n.data_server.shutdown()
-        r = n.registrar
-        with r._cv:
-            r._stop = True
-            r._cv.notify_all()
+        self.nodes[role].kill()  # its handles refuse calls from now on, as a dead actor's would
 
     def revive(self, role):
         old = self.nodes[role]
-        old._closed = False
-        old.shutdown()
+        old.shutdown()  # (after a kill: frees what is left, the slab and the GPU tier)
         self.nodes[role] = self._node(role, old.node_id)
 
     def corrupt(self, role, toks, index):

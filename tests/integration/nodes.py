@@ -1,6 +1,6 @@
 """A KVNode object behind its wire edge, in the test's own process: what a Ray actor runs, without Ray."""
 
-from kvmesh.handle import KVNodeActor
+from kvmesh.actor import KVNodeActor
 from kvmesh.node import KVNode
 
 WIRE = ("hello", "pin", "unpin", "pull", "pull_through", "store", "report_corrupt", "locate")
@@ -21,21 +21,3 @@ class WireNode:
             object.__setattr__(self, name, value)
         else:
             setattr(self.node, name, value)
-
-    def die(self) -> None:
-        """The process dies without a word: every thread stops, nothing is unregistered (the lease lapses), its
-        files close."""
-        n = self.node
-        n._closed = True
-        n._stop.set()
-        n._thread.join(timeout=5)
-        r = n.registrar
-        with r._cv:
-            r._stop = True
-            r._cv.notify_all()
-        r._thread.join(timeout=5)
-        if n.data_server:
-            n.data_server.shutdown()
-        n.directory.close()
-        if n.cascade.disk is not None:
-            n.cascade.disk.close()

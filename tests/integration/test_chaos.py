@@ -173,7 +173,7 @@ def test_r6_fuzzed_public_api_raises_only_typed_errors(mesh):
 
 def test_bench_chaos_r6_fuzzes_the_wire_edge_not_the_typed_kvnode(mesh):
     """R6 as bench/chaos.py runs it long (`scenarios.r6_fuzz`) fuzzes the wire edge a KVNode actor runs
-    (`handle.KVNodeActor`), not the KVNode object's typed methods: every example runs and the node stays intact."""
+    (`actor.KVNodeActor`), not the KVNode object's typed methods: every example runs and the node stays intact."""
     r = report(scenarios.r6_fuzz(mesh, 40))
     assert r["node"]["examples"] == 40 and r["node_integrity_after"] == "ok" and r["ok"], r
     assert r["actor"]["same_process_after"] == 1 and r["api"]["examples"] == 20, r

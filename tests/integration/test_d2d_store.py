@@ -11,7 +11,8 @@ import redis
 import torch
 
 from kvmesh import KVSpec
-from kvmesh.handle import KVNodeActor, LocalHandle
+from kvmesh.actor import KVNodeActor
+from kvmesh.handle import LocalHandle
 from kvmesh.node import KVNode
 from kvmesh.storequeue import StoreQueue
 from kvmesh.tiers import TIER_CPU, TIER_GPU

@@ -239,7 +239,7 @@ def test_a_chunk_dropped_while_a_reregistration_fails_part_way_is_not_left_liste
             return real(lease, tier, groups)
         failed.append(True)
         real(lease, tier, {g: ks for g, ks in groups.items() if g == a[0]})  # (one server answered)
-        node._drop([a[2]])  # (a chunk of it goes meanwhile: its unregister is queued)
+        node.serving.drop_corrupt([a[2]])  # (a chunk of it goes meanwhile: its unregister is queued)
         raise redis.ConnectionError("the other server did not answer")
 
     node.directory.register_many = part_way

@@ -56,7 +56,7 @@ def test_a_start_up_verification_whose_erase_fails_does_not_kill_the_disk_io_thr
     wait_until(lambda: node.stats().get("disk_writes", 0) == 3, 5)
     flip(node, k(2))
     flip(node, k(3))
-    node.die()
+    node.kill()
 
     def refuse(self, slot):
         raise OSError(errno.EROFS, "Read-only file system")
@@ -102,7 +102,7 @@ def test_a_demotion_the_disk_refuses_is_not_counted_as_a_saved_last_copy(private
 
 def test_closing_the_disk_tier_under_a_write_in_flight_never_writes_into_another_file(tmp_path):
     """KVNode.shutdown closes the disk tier once its I/O threads are joined, 5 s at most: a write still in flight
-    then (a slow or failing disk; or a node that dies in this process mid-write, `WireNode.die`) went on with the
+    then (a slow or failing disk; or a node that dies in this process mid-write, `KVNode.kill`) went on with the
     fd numbers `close()` had just given back. The next file this process opened took such a number, and the write's
     commit record landed in it (or `close()` raised BufferError, the zero header's buffer still exported)."""
     import os
@@ -164,7 +164,7 @@ def test_disk_pending_io_counts_the_writes_in_flight(private_redis, make_node):
 def test_a_write_that_raises_no_oserror_is_still_ended(private_redis, make_node, monkeypatch):
     """_io_loop's new guard keeps the thread alive, but the write that raised is never ended: finish_write never
     runs, so its disk slot stays 'writing' (pinned) for good, its buffer never goes back to the pool, the key stays
-    in cascade._pending and node._leaving_to_disk, and the same key can never be stored again."""
+    in cascade._pending and last_copies.leaving_to_disk, and the same key can never be stored again."""
     redis.Redis.from_url(private_redis.url).flushall()
     real = DiskTier.write_chunk
 
@@ -181,7 +181,7 @@ def test_a_write_that_raises_no_oserror_is_still_ended(private_redis, make_node,
         wait_until(lambda: node.stats()["disk_pending_io"] == 0, 5)
         time.sleep(0.3)
         assert k(1) not in node.cascade._pending, "the write that raised was never ended"
-        assert k(1) not in node._leaving_to_disk
+        assert k(1) not in node.last_copies.leaving_to_disk
         node.check_integrity()
     finally:
         node.shutdown()

@@ -49,7 +49,7 @@ def node(private_redis, make_node):
     n = make_node("a" * 32, "kvnode-a", redis_url=private_redis.url, key_prefix="fa", cpu_bytes=4 * SPEC.chunk_bytes,
                   slot_bytes=SPEC.chunk_bytes, disk_bytes=32 * SPEC.chunk_bytes, disk_direct_io=False,
                   node_refresh_s=0.2, fetch_timeout_s=5.0)
-    n._ray_metrics = Exported()
+    n.telemetry.ray_metrics = Exported()
     return n
 
 
@@ -90,10 +90,10 @@ def test_a_chunk_damaged_on_disk_is_counted_as_corrupt_and_shown_as_an_event(nod
             f.write(bytes([b[0] ^ 0xFF]))
         got = c.fetch(match)
         assert got.shape[2] == CH  # the chunk before it; the node holds no copy of chunk 1 any more
-        node._publish()
+        node.publish()
         st = node.stats()
         assert st["disk_checksum_failures"] == 1 and st["corrupt_dropped"] == 1
-        assert node._ray_metrics.total("kvmesh_corrupt_chunks_total") == 1
+        assert node.telemetry.ray_metrics.total("kvmesh_corrupt_chunks_total") == 1
         events = redis.Redis.from_url(private_redis.url).lrange("fa:{n}:events", 0, -1)
         assert "corrupt_chunk" in [msgpack.unpackb(e)[2] for e in events]
     finally:
@@ -108,10 +108,10 @@ def test_a_failed_disk_read_is_exported_as_a_disk_error_by_errno(node):
         path, _ = disk_copy(node, match.chunks[0].hash)
         os.truncate(path, 0)  # the device lost the data: every read of it comes back short
         assert c.fetch(match).shape[2] == 0
-        node._publish()
+        node.publish()
         st = node.stats()
         assert st["disk_read_errors"] >= 1
-        assert node._ray_metrics.total("kvmesh_disk_errors_total", errno="EIO") == st["disk_read_errors"]
+        assert node.telemetry.ray_metrics.total("kvmesh_disk_errors_total", errno="EIO") == st["disk_read_errors"]
     finally:
         c.close()
 

@@ -288,7 +288,7 @@ def test_close_waits_for_a_fetch_stuck_on_a_hung_holder_only_a_few_seconds(nodes
     a, b = nodes("a"), nodes("b")
     writer, reader = connect_local(SPEC, a), connect_local(SPEC, b, peers=[a])
     hang = threading.Event()
-    real = a._pin_for_send
+    real = a.data_server._pin
     try:
         toks, kv, match = cached_on(writer, reader, 9, 4)
         a.data_server._pin = lambda keys, requester="": (hang.wait(60), real(keys, requester))[1]

@@ -63,7 +63,7 @@ def test_pins_protect_a_same_node_read_and_expire(node):
     assert node.stats()["pinned"] == 1
     node.unpin(pin_id)
     assert node.stats()["pinned"] == 0
-    node.config = node.config.replace(pin_ttl_s=0.1)
+    node.serving.pin_ttl_s = 0.1  # (the pin table is Serving's)
     node.pin(pack_keys([k(1)]))  # a reader that never unpins
     wait_until(lambda: node.stats()["pinned"] == 0, 3)
 
@@ -77,7 +77,7 @@ def test_an_unpin_meant_for_the_nodes_previous_process_releases_no_pin_of_this_o
     old = WireNode(cfg, "node-p" * 4, "kvnode-p")
     old.store(*chunks(1))
     stale = [unpack_pin_reply(old.pin(pack_keys([k(1)])))[0] for _ in range(3)]
-    old.die()
+    old.kill()
     new = WireNode(cfg, "node-p" * 4, "kvnode-p")  # the restarted process
     try:
         new.store(*chunks(1))
@@ -219,11 +219,12 @@ def test_a_node_that_leaves_takes_its_stats_along_and_forgets_readers_gone_for_g
     a, b = WireNode(cfg, "node-s" * 4, "kvnode-s"), WireNode(cfg, "node-t" * 4, "kvnode-t")
     records = Records(redis.Redis.from_url(private_redis.url), "ts")
     try:
-        a._served[b.node_id] += 10
-        a._served["gone" * 8] += 10  # a reader no longer in the node table, not served for 10 leases
-        a._served_at[b.node_id], a._served_at["gone" * 8] = time.monotonic(), time.monotonic() - 10 * cfg.lease_s - 1
-        a._publish()
-        b._publish()
+        served, served_at = a.serving.served, a.serving.served_at
+        served[b.node_id] += 10
+        served["gone" * 8] += 10  # a reader no longer in the node table, not served for 10 leases
+        served_at[b.node_id], served_at["gone" * 8] = time.monotonic(), time.monotonic() - 10 * cfg.lease_s - 1
+        a.publish()
+        b.publish()
         assert set(a.stats()["served_bytes"]) == {b.node_id}
         wait_until(lambda: set(records.read()[0]) == {a.node_id, b.node_id}, 5)
         b.shutdown()
@@ -358,7 +359,9 @@ def test_gpu_tier_first_then_demotion_and_promotion_with_the_directory_tracking(
     assert gpu_node.stats()["demotions"] == 2
     header, data = gpu_node.pull(pack_keys([k(3), k(4), k(1)]))  # peers read every tier, bit-exact
     assert data.size == 3 * SLOT and [int(data[i * SLOT]) for i in range(3)] == [3, 4, 1]
-    time.sleep(0.5)  # a maintenance pass: 1 is not promoted, it would evict 3 or 4 of the same hit
+    rounds = gpu_node.maintenance_rounds
+    wait_until(lambda: gpu_node.maintenance_rounds >= rounds + 2, 5)  # a whole maintenance pass since the pull: 1
+    # is not promoted, it would evict 3 or 4 of the same hit
     assert gpu_node.stats()["promotions"] == 0
     header, data = gpu_node.pull(pack_keys([k(1), k(2)]))
     # the hit on 1 and 2 (CPU only) promotes them on the next maintenance pass; 3 and 4 go down (they have
@@ -416,7 +419,7 @@ def test_a_restarted_node_recovers_its_disk_and_drops_what_is_corrupt(private_re
     old_inc = node.lease.incarnation
     disk_file = node.cascade.disk.path
     slot2 = node.cascade.disk.slot_of(k(2))
-    node.die()  # the process dies without a word: no shutdown, no unregistering (its lease will lapse)
+    node.kill()  # the process dies without a word: no shutdown, no unregistering (its lease will lapse)
     # a bit flip on disk while it was down
     from kvmesh.tiers.disk import HEADER
 

@@ -9,7 +9,7 @@ import redis
 
 from kvmesh.client import connect_local
 from kvmesh.local import RedisServer
-from kvmesh.node import remove_stale_slabs
+from kvmesh.tiers.build import remove_stale_slabs
 from kvmesh.spec import KVSpec
 from tests.conftest import wait_until
 
@@ -63,7 +63,7 @@ def test_clients_read_the_table_their_node_relays_and_redis_when_it_stops(two_no
         wait_until(lambda: all(set(c.view.table().by_node()) == {a.node_id} for c in clients), 3)
         assert all(r.calls == 0 for r in reads)
         # A dies without a word (its relay file stays, and goes stale): the clients read Redis themselves
-        a.die()
+        a.kill()
         wait_until(lambda: all(r.calls > 0 for r in reads), 3)
         assert all(c.view.age_s < 3 * REFRESH_S for c in clients)
     finally:
@@ -84,7 +84,7 @@ def test_a_relayed_table_does_not_hide_a_dead_directory(make_node):
             wait_until(lambda: not c.view.allow(), 5)
         finally:
             c.close()
-            a.die()
+            a.kill()
     finally:
         server.stop()
     assert remove_stale_slabs(make_node.shm_dir) == 0  # (A's process is this one: its files are not stale)

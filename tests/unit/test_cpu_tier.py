@@ -131,7 +131,7 @@ def test_the_clients_of_a_process_share_one_mapping_of_a_slab(tmp_path):
 
 
 def test_a_cpu_tier_bigger_than_its_shared_memory_is_shrunk_to_fit():
-    from kvmesh.node import fit_slots
+    from kvmesh.tiers.build import fit_slots
 
     assert fit_slots(100, 10, 2000) == 100  # fits: as configured
     assert fit_slots(100, 10, 999) == 49  # /dev/shm is smaller: half of what is free (Ray's store lives there too)

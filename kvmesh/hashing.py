@@ -117,6 +117,18 @@ def client_salt(cache_salt: str | bytes | None) -> bytes:
     return salt
 
 
+def call_salt(client: bytes, cache_salt: str | bytes | None) -> bytes:
+    """The salt of one call: the client's (the tenant's, `client_salt`), with the call's own behind it,
+    "<client>\\0<call>", as vLLM's connector puts a request's salt behind its engine's. A call's salt never replaces
+    the client's: a client salted for one tenant cannot name its way into another tenant's or the unsalted chunks.
+    An empty call salt is none. (Salts keep apart tenants that do not know each other's salt: they are names, not
+    access control; an unsalted client that passes a tenant's salt per call reads that tenant's chunks.)"""
+    call = salt_bytes(cache_salt)
+    if not call:
+        return client
+    return client + b"\0" + call if client else call
+
+
 def chunk_hashes(
     namespace: bytes, tokens: np.ndarray, chunk_tokens: int, cache_salt: str | bytes | None = None
 ) -> list[bytes]:

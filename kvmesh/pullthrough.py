@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvmesh.dataplane.fetcher import Fetcher, FetchOptions
+from kvmesh.dataplane.sinks import Sink
 from kvmesh.directory import Holder
 from kvmesh.inflight import InflightPulls
 from kvmesh.match import ChunkMatch
@@ -26,7 +27,7 @@ from kvmesh.wire import PullThrough as PullRequest
 from kvmesh.wire import StoreItem
 
 
-class SlotSink:
+class SlotSink(Sink):
     """Chunk i lands in `tickets[i]`'s slab slot."""
 
     def __init__(self, node, tickets: list, nbytes: int) -> None:
@@ -67,7 +68,7 @@ class SlotSink:
         return n
 
 
-class BufferSink:
+class BufferSink(Sink):
     """Chunks land back to back in one buffer, then go through the node's store path (checked again there)."""
 
     def __init__(self, node, keys: list[bytes], group: bytes, nbytes: int) -> None:

@@ -17,7 +17,7 @@
                                      on layer i while later layers load (`movers.LayerwiseLoad`)
     store(tokens, kv) -> int         hands the full chunks not already cached to the local KVNode and returns their
                                      count; the copy into the node happens in the background (`flush` waits)
-    lookup_keys / store_keys         the same for engines that name their pages themselves (SGLang)
+    lookup_keys / store_keys         the same for engines that name their pages themselves (SGLang; `clientkeys`)
     route(tokens, candidates)        pure read, one directory round trip: each candidate node's (or replica's)
                                      expected TTFT for the prompt, best first (`kvmesh.routing`)
     report_load(pending, depth, replica_id)   a serving replica's load, which `route` reads
@@ -46,6 +46,7 @@ from kvmesh import arguments, routing
 from kvmesh.arguments import MAX_DEADLINE_S
 from kvmesh.attachment import LocalAttachment
 from kvmesh.clientfetch import CLOSE_WAIT_S, PULL_THREADS, Fetches
+from kvmesh.clientkeys import ByKeys
 from kvmesh.clienttelemetry import ClientTelemetry
 from kvmesh.config import KVMeshConfig
 from kvmesh.connecting import connect, connect_local
@@ -71,7 +72,7 @@ DIRECTORY_RETRY_S = 5.0  # after a directory call failed, calls fail fast this l
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
-class KVMeshClient:
+class KVMeshClient(ByKeys):
     def __init__(
         self,
         spec: KVSpec,
@@ -321,55 +322,6 @@ class KVMeshClient:
         arguments.seconds("timeout_s", timeout_s)
         self._check_process("flush")
         return self.stores.flush(timeout_s) if self.stores is not None else 0
-
-    # -- by explicit chunk keys -----------------------------------------------------------------------------------
-    # For engines that name their pages themselves (SGLang's HiCache hands out page hashes, never token ids): the
-    # caller derives each key under this client's spec namespace and salt (`root_hash`), so keys of different
-    # specs never meet, and names the directory group they are registered in.
-    def lookup_keys(self, group: bytes, keys: list[bytes], count: bool = True) -> Match:
-        """`lookup` for caller-made keys: the longest run of `keys`, from the first, with a live holder in
-        directory group `group`. Pure read, one round trip; no cost-model plan (the engine decides). `count=False`:
-        not counted as a lookup, hit or miss (an engine asking again about keys it already looked up)."""
-        self._check_open("lookup_keys")
-        arguments.flag("count", count)
-        arguments.keys(group, keys)
-        return self.lookups.lookup_keys(group, keys, count)
-
-    def held_keys(self, group: bytes, keys: list[bytes], count: bool = True) -> list[bool]:
-        """Whether each of `keys` has a live holder in directory group `group`, each key for itself (`lookup_keys`
-        answers only the leading run): for engines that ask about keys in another order than the prompt's, e.g.
-        vLLM's sliding-window lookups, from the prompt's end backwards. One round trip; a directory that fails
-        says "none" (counted, like a lookup's)."""
-        self._check_open("held_keys")
-        arguments.flag("count", count)
-        arguments.keys(group, keys)
-        return self.lookups.held_each(group, keys, count)
-
-    def store_keys(self, group: bytes, keys: list[bytes], chunks) -> int:
-        """`store` for caller-made keys: `chunks[i]` (a tensor of the spec's dtype and `chunk_shape`, any
-        strides, e.g. a view into an engine's host pool; all on one device) is chunk `keys[i]`, registered in
-        directory group `group`. Those not already cached are copied out before this returns (on a GPU: on the
-        current stream) and handed to the local node; returns their count."""
-        return self._store_keys(group, keys, chunks)
-
-    def _store_keys(self, group: bytes, keys: list[bytes], chunks, mine: list | None = None) -> int:
-        self._check_open("store_keys")
-        arguments.keys(group, keys)
-        arguments.chunks(self.spec, chunks, len(keys))
-        return self._store(group, list(keys), lambda i: chunks[i], False, mine=mine)
-
-    def store_keys_waited(self, group: bytes, keys: list[bytes], chunks, timeout_s: float) -> tuple[int, int]:
-        """`store_keys`, then wait at most `timeout_s` for this store alone: (chunks handed to the node, of those
-        the ones it stored and registered by then). Other stores in flight (an earlier one whose wait ran out and
-        whose reply comes now) are not counted: `flush` counts them all."""
-        arguments.seconds("timeout_s", timeout_s)
-        mine: list = []
-        sent = self._store_keys(group, keys, chunks, mine)
-        if not sent or self.stores is None:
-            return sent, 0
-        if len(chunks) and chunks[0].is_cuda:  # (handed over by the background thread: not collected)
-            return sent, self.stores.flush(timeout_s)
-        return sent, self.stores.flush_own(mine, timeout_s)
 
     # -- placement (kvmesh.routing) -------------------------------------------------------------------------------
     def route(

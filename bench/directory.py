@@ -349,6 +349,22 @@ def hash_figures(repeat: int) -> dict:
             "python_over_floor_us_per_chunk": (py_s - one_s * 9 / 8) / 512 * 1e6, "goal_ms": 0.5}
 
 
+def client_lookup_figures(repeat: int) -> dict:
+    """The client's own work in a lookup of a 131,072-token Python list before the directory round trip: the tokens
+    checked and converted (`as_tokens`), the chunk hashes, the cap (`lookups.prompt_hashes`, what `lookup` runs),
+    and `as_tokens` of the same list alone."""
+    from kvmesh.hashing import as_tokens
+    from kvmesh.lookups import prompt_hashes
+    from kvmesh.spec import KVSpec
+
+    spec = KVSpec("bench-directory", 32, 8, 128, "bfloat16", chunk_tokens=256)
+    toks = np.random.default_rng(3).integers(0, 128_000, 512 * 256).tolist()
+    client_s, as_tokens_s = interleaved_medians(
+        [lambda: prompt_hashes(spec, toks, lambda: b""), lambda: as_tokens(toks)], repeat, warmup=20)
+    return {"tokens": len(toks), "lookup_list_131k_client_ms": client_s * 1e3, "as_tokens_list_131k_ms": as_tokens_s * 1e3,
+            "goal_ms": 2.0}
+
+
 # -- the node keys at 1,000 nodes --------------------------------------------------------------------------------------
 def _rows(r, key: str) -> list[tuple[bytes, bytes]]:
     """A node key's (field, value) pairs: the incarnations and infos are hashes, the leases a sorted set by
@@ -414,6 +430,9 @@ def main() -> None:
     result["hash"] = hash_figures(args.repeat)
     result["hash_131k_tokens_ms"] = result["hash"]["chunk_hashes_ms"]
     print("hash", result["hash"], flush=True)
+    result["client_lookup"] = client_lookup_figures(min(args.repeat, 500))
+    result["lookup_list_131k_client_ms"] = result["client_lookup"]["lookup_list_131k_client_ms"]
+    print("client_lookup", result["client_lookup"], flush=True)
     for binary in binaries:
         print(f"-- {binary}", flush=True)
         res = lookup_figures(binary, args.repeat, args.clients)

@@ -79,7 +79,7 @@ def vllm_load(device, total_bytes: int, timer, layouts=("flash_attn", "flashinfe
     except ImportError:
         install_vllm_stubs()
     from kvmesh import KVSpec
-    from kvmesh.client import connect_local
+    from kvmesh.connecting import connect_local
     from kvmesh.config import KVMeshConfig
     from kvmesh.integrations.vllm_meta import LoadJob, SaveJob, StepMeta
     from kvmesh.integrations.vllm_options import ConnectorOptions

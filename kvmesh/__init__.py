@@ -32,8 +32,8 @@ __version__ = "0.1.0"
 
 
 def connect(spec, redis_url=None, **kwargs):
-    """A `KVMeshClient` for `spec` in this process; see `kvmesh.client.connect`."""
-    from kvmesh.client import connect as _connect
+    """A `KVMeshClient` for `spec` in this process; see `kvmesh.connecting.connect`."""
+    from kvmesh.connecting import connect as _connect
 
     return _connect(spec, redis_url, **kwargs)
 

@@ -18,6 +18,19 @@ class ForkedProcessError(RuntimeError):
     """A kvmesh call in a process forked from the one that owns what it needs (a client, a Ray connection)."""
 
 
+def check_owner(pid: int, what: str) -> None:
+    """A client belongs to the process that made it (`pid`). In a child forked from that process its threads are
+    gone and its Ray calls are never answered (a fetch waited out its deadline and counted a miss, a store was
+    counted as handed over and never made), and its kept peer connections are its parent's too (two processes
+    reading replies off one socket can take each other's chunks)."""
+    if os.getpid() != pid:
+        raise ForkedProcessError(
+            f"{what} on a KVMeshClient made in process {pid}, from which this process ({os.getpid()}) "
+            "was forked: a client belongs to the process that made it; call kvmesh.connect in a process "
+            "started otherwise (multiprocessing's 'spawn' start method, a Ray task or actor)"
+        )
+
+
 _inherited: tuple[object, int] | None = None  # (the Ray core worker this process inherited, the parent's pid)
 
 

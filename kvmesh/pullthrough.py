@@ -25,6 +25,7 @@ import numpy as np
 from kvmesh.cascade import Cascade
 from kvmesh.config import KVMeshConfig
 from kvmesh.dataplane.fetcher import Fetcher, FetchOptions
+from kvmesh.dataplane.sinks import Sink
 from kvmesh.dataplane.sources import Env
 from kvmesh.directory import Holder
 from kvmesh.inflight import InflightPulls
@@ -37,7 +38,7 @@ from kvmesh.wire import PullThrough as PullRequest
 from kvmesh.wire import StoreItem
 
 
-class SlotSink:
+class SlotSink(Sink):
     """Chunk i lands in `tickets[i]`'s slab slot."""
 
     def __init__(self, cascade: Cascade, lock, post_changes: Callable[[], int], tickets: list, nbytes: int) -> None:
@@ -77,7 +78,7 @@ class SlotSink:
         return n
 
 
-class BufferSink:
+class BufferSink(Sink):
     """Chunks land back to back in one buffer, then go through the node's store path (checked again there)."""
 
     def __init__(self, store: Callable, keys: list[bytes], group: bytes, nbytes: int) -> None:

@@ -37,6 +37,7 @@ import torch
 
 from kvmesh.cudart import side_stream
 from kvmesh.handle import NodeCallError, Pending
+from kvmesh.match import StoreResult
 from kvmesh.spec import KVSpec
 from kvmesh.tiers import checksum
 from kvmesh.wire import MAX_KEYS, GpuReserved, StoreItem, WireError
@@ -47,10 +48,11 @@ RESERVE_TIMEOUT_S = 5.0  # a node that does not answer a GPU-tier reservation by
 
 
 class StoreQueue:
-    def __init__(self, spec: KVSpec, node, counts: Counter, gpu=None) -> None:
+    def __init__(self, spec: KVSpec, node, counts, gpu=None) -> None:
+        """`counts`: a Counter, or a client's `ClientTelemetry`, whose counters (shared or not) are counted into."""
         self.spec = spec
         self.node = node  # handle of the local KVNode (handle.NodeHandle / LocalHandle)
-        self.counts = counts
+        self._counts = counts
         self.gpu = gpu  # () -> the node's GPU pools as mapped here (dataplane.gpureads.GpuReads) or None
         self._lock = threading.Lock()  # _pending and _staging_jobs: the stager thread adds to them
         self._pending: list[Pending[int]] = []  # replies not yet counted by a flush (or by the busy check)
@@ -60,6 +62,23 @@ class StoreQueue:
         self._stager: threading.Thread | None = None
         self._streams: dict = {}  # device -> side stream for device-to-host store copies
         self.refused = ""  # why the last store that handed nothing over did not: "busy", "no_device_memory"
+
+    @property
+    def counts(self) -> Counter:
+        c = self._counts
+        return c if isinstance(c, Counter) else c.counts
+
+    def attach(self, node) -> None:
+        """Stores go to `node` from now on: the KVNode actor that took the local one's place."""
+        self.node = node
+
+    def store(self, group: bytes, keys: list[bytes], chunk, held: list[bool], snapshot: bool, mine) -> StoreResult:
+        """A client's store of `keys` (`chunk(i)`: key i's KV) of which `held` are cached already: the others are
+        handed over (`submit`); what became of each."""
+        todo = [i for i in range(len(keys)) if not held[i]]
+        handed = self.submit(group, [keys[i] for i in todo], [chunk(i) for i in todo], snapshot, mine)
+        refused = self.refused if handed < len(todo) else ""
+        return StoreResult(handed, len(keys) - len(todo), len(todo) - handed, refused)
 
     def submit(
         self,

@@ -3,8 +3,8 @@
     fetch(chunks, sink, options) -> (result, FetchStats)
 
 1. plan: `planner.plan_runs` (runs by holder, peer runs in batches);
-2. pick each run's source: this node's slab for its own chunks; for other nodes', the local node (`coalesce`,
-   "via"), the holder's DataServer ("tcp") or its actor ("ray");
+2. pick each run's source (`Fetcher.source`, a `sources.Source`): this node's slab for its own chunks; for other
+   nodes', the local node (`coalesce`, "via"), the holder's DataServer ("tcp") or its actor ("ray");
 3. begin every run at once: pins and pulls go out together, receives run on pool threads, so runs from different
    holders (and batches of one holder) proceed in parallel into their own places in the sink. Except where a
    node must bring more chunks into its slab for the fetch than half of it (chunks on its disk or GPU tier, or
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from kvmesh.dataplane import sources
 from kvmesh.dataplane.planner import Run, plan_runs
 from kvmesh.match import FetchStats, RunStats
-from kvmesh.tiers import TIER_CPU, TIER_DISK
+from kvmesh.tiers import TIER_DISK
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,16 +53,18 @@ class Fetcher:
     def local_reads(self) -> bool:
         return self.env.slab is not None and self.env.local is not None
 
-    def kind(self, run: Run, opts: FetchOptions) -> str:
+    def source(self, run: Run, opts: FetchOptions) -> sources.Source:
+        """Where `run` comes from: this node's slab for its own chunks; else through this node (`coalesce`), the
+        holder's DataServer or its actor, as `opts.transport` says."""
         if run.local:
-            return "slab"
+            return sources.SLAB
         if opts.coalesce and opts.group and self.local_reads:
-            return "via"
+            return sources.VIA
         if opts.transport == "tcp":
             info = self.env.view.info(run.holder, run.incarnation)
             if info is not None and not info.data_addr:  # a holder that serves pulls through Ray only (its node
-                return "ray"  # was started with peer_transport="ray"): every KVNode answers Ray pulls
-        return opts.transport
+                return sources.RAY  # was started with peer_transport="ray"): every KVNode answers Ray pulls
+        return sources.BY_TRANSPORT[opts.transport]
 
     def budget(self, node: str, incarnation: int = 0) -> int:
         """Chunks one fetch may have pinned at a time in `node`'s slab (this node's for "slab" and "via" runs, the
@@ -82,24 +84,24 @@ class Fetcher:
                 self._slabs[(node, incarnation)] = slots
         return max(1, slots // 2)
 
-    def plan(self, chunks: Sequence, opts: FetchOptions) -> tuple[list[Run], list[str], dict[str, int]]:
+    def plan(self, chunks: Sequence, opts: FetchOptions) -> tuple[list[Run], list[sources.Source], dict[str, int]]:
         """The runs, their sources, and the nodes whose share of the fetch is more than they may pin at once, with
         their budgets: those nodes' runs come in windows (this node's runs cut to half its budget, peers' batches
         to at most theirs), begun as the earlier ones are released."""
         here = self.env.here or None
         runs = plan_runs(chunks, here, self.local_reads, opts.per_batch) if chunks else []
-        kinds = [self.kind(r, opts) for r in runs]
+        srcs = [self.source(r, opts) for r in runs]
         load: dict[str, int] = {}  # node -> chunks the fetch pins in its slab
         brings: dict[str, int] = {}  # node -> of those, the chunks it must bring into its slab first
         incarnations: dict[str, int] = {}
-        for r, k in zip(runs, kinds):
+        for r, k in zip(runs, srcs):
             # a node brings into its slab all of a "via" run (pulled from its holder) and, of a run it holds, what
             # is not in its slab already (on its disk or GPU tier, as the lookup found it). Chunks already in a slab
             # are pinned where they lie: a fetch of nothing else is never windowed, whatever its size, and adopted
             # zero-copy. One that also brings chunks in needs room beside all it pins: windowed beyond the budget
             node = self._pins_on(r, k)
             load[node] = load.get(node, 0) + len(r.keys)
-            brings[node] = brings.get(node, 0) + (len(r.keys) if k == "via" else sum(t != TIER_CPU for t in r.tiers))
+            brings[node] = brings.get(node, 0) + k.brings(r)
             incarnations[node] = r.incarnation
         budgets = {
             node: b for node, n in load.items() if brings[node] and n > (b := self.budget(node, incarnations[node]))
@@ -110,11 +112,11 @@ class Fetcher:
             # (a "via" run is a peer batch that this node pins: a window too)
             per_batch = min([opts.per_batch, *(b for node, b in budgets.items() if node != self.env.here)])
             runs = plan_runs(chunks, here, self.local_reads, min(per_batch, window or per_batch), window)
-            kinds = [self.kind(r, opts) for r in runs]
-        return runs, kinds, budgets
+            srcs = [self.source(r, opts) for r in runs]
+        return runs, srcs, budgets
 
-    def _pins_on(self, run: Run, kind: str) -> str:
-        return self.env.here if kind in PINNED else run.holder
+    def _pins_on(self, run: Run, source: sources.Source) -> str:
+        return self.env.here if source.pinned else run.holder
 
     def fetch(self, chunks: Sequence, sink, opts: FetchOptions):
         t0 = time.monotonic()
@@ -122,12 +124,12 @@ class Fetcher:
         orphans = getattr(env.local, "orphans", None)
         if orphans is not None:
             orphans.reap()  # pins of earlier fetches that came after their deadline
-        runs, kinds, budgets = self.plan(chunks, opts)
+        runs, srcs, budgets = self.plan(chunks, opts)
         # this node's windows are copied into the sink (unpinned as each is done). Otherwise its slab slots are
         # adopted (read in place: a device sink DMAs from the page-locked slab), whatever the deadline: pins are
-        # held until the deadline (`sources.begin`), so no slot an adopting sink reads is reused under it
+        # held until the deadline (`sources.Slab.begin`), so no slot an adopting sink reads is reused under it
         copy = env.here in budgets
-        sink.prepare([i for r, k in zip(runs, kinds) if k in ("tcp", "ray") or copy and k in PINNED for i in r.indices])
+        sink.prepare([i for r, k in zip(runs, srcs) if k.staged or copy and k.pinned for i in r.indices])
         transfers: list[sources.Transfer | None] = [None] * len(runs)
         begun = [t0] * len(runs)  # when each run was begun (windows begin as earlier ones are released)
         issued = [t0] * len(runs)  # when its begin returned (an in-process holder pins inside it)
@@ -135,14 +137,12 @@ class Fetcher:
         pinned = dict.fromkeys(budgets, 0)  # node -> chunks of its begun windows not released yet
 
         def begin(j: int) -> None:
-            r, k = runs[j], kinds[j]
+            r, k = runs[j], srcs[j]
             begun[j] = time.monotonic()
             if time.monotonic() >= opts.deadline:  # (beginning a run can wait: a holder's address, a pin)
-                transfers[j] = sources.Failed(r, sink, k, "deadline")
+                transfers[j] = sources.Failed(r, sink, k.kind, "deadline")
             else:
-                transfers[j] = sources.begin(
-                    env, r, k, sink, opts.chunk_bytes, opts.deadline, opts.group, opts.transport, copy
-                )
+                transfers[j] = k.begin(env, r, sink, opts, copy)
             issued[j] = time.monotonic()
 
         def begin_windows() -> None:
@@ -155,7 +155,7 @@ class Fetcher:
         delivered, error, corrupt, device, adopted = 0, "", 0, 0, 0
         stats: list[RunStats] = []
         try:
-            for j, (r, k) in enumerate(zip(runs, kinds)):
+            for j, (r, k) in enumerate(zip(runs, srcs)):
                 node = self._pins_on(r, k)
                 if node in budgets:
                     waiting.setdefault(node, []).append(j)
@@ -178,7 +178,7 @@ class Fetcher:
                 if landed.delivered < len(r.keys):
                     error = landed.error or "peer_error"
                     break
-                node = self._pins_on(r, kinds[j])
+                node = self._pins_on(r, srcs[j])
                 if node in budgets:
                     t.release()  # (a window is never adopted: nothing of it stays pinned)
                     pinned[node] -= len(r.keys)
@@ -192,9 +192,6 @@ class Fetcher:
         return result, FetchStats(
             local, delivered - local, time.monotonic() - t0, error, len(chunks), corrupt, tuple(stats), device, adopted
         )
-
-
-PINNED = ("slab", "via")  # runs this node answers with pinned slab slots
 
 
 def _timing(t, begun: float, issued: float, called: float, end: float, error: str) -> tuple[float, float]:
@@ -217,7 +214,7 @@ def _timing(t, begun: float, issued: float, called: float, end: float, error: st
 
 
 def _link(run: Run) -> str:
-    """The cost model's name for the link a run comes over (`KVMeshClient._link`: a peer's is its own)."""
+    """The cost model's name for the link a run comes over (`ClientTelemetry.link`: a peer's is its own)."""
     disk = bool(run.tiers) and run.tiers[0] == TIER_DISK
     if run.local:
         return "local-disk" if disk else "local"

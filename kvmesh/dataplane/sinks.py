@@ -21,8 +21,10 @@ Every sink has, for chunk index i of the fetch (0-based within the match):
     on_release(fn)          fn() runs once the sink reads no adopted memory any more (a source's unpin)
     finish(n) -> result     the fetch delivered chunks [0, n) intact; what the caller gets
 
-Sinks here: `HostSink` (a new CPU tensor, or a caller's `out=`) and `DeviceSink` (a device, with completion per
-layer). A KVNode's pull-through lands in its own slots through `kvmesh.pullthrough.SlotSink`.
+`Sink` declares them, with the defaults of a sink that only copies: nothing to prepare, nothing adopted (sources
+release at once), nothing to do at commit. Sinks here: `HostSink` (a new CPU tensor, or a caller's `out=`) and
+`DeviceSink` (a device, with completion per layer). A KVNode's pull-through lands in its own slots through
+`kvmesh.pullthrough.SlotSink` (or `BufferSink`), sinks of the same base.
 """
 
 from __future__ import annotations
@@ -37,7 +39,39 @@ from kvmesh.spec import KVSpec
 from kvmesh.tiers import checksum
 
 
-class HostSink:
+class Sink:
+    """The sink protocol, with defaults; a sink gives `segments`, `put` and `finish` at least."""
+
+    device_reads = False  # whether GPU-tier slots may be adopted device to device (`adopt_device`)
+
+    def prepare(self, staged: Sequence[int]) -> None:
+        pass
+
+    def segments(self, i: int) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def put(self, i: int, src) -> None:
+        raise NotImplementedError
+
+    def adopt(
+        self, i: int, src, chunk_checksum: int, on_bad: Callable[[], None], device_sum: int | None = None
+    ) -> bool:
+        return False
+
+    def adopt_device(self, i: int, src: torch.Tensor, device_sum: int, on_bad: Callable[[], None]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not read device to device")
+
+    def commit(self, i: int, chunk_checksum: int) -> None:
+        pass
+
+    def on_release(self, fn: Callable[[], None]) -> None:
+        fn()  # nothing adopted: sources release at once
+
+    def finish(self, n: int):
+        raise NotImplementedError
+
+
+class HostSink(Sink):
     """Into a `[num_layers, 2, >= n * chunk_tokens, heads, head_dim]` contiguous CPU tensor: chunk i fills tokens
     [i * chunk_tokens, (i + 1) * chunk_tokens) of every layer's K and V."""
 
@@ -53,9 +87,6 @@ class HostSink:
         c = self.spec.chunk_tokens
         return self._u8[:, :, i * c : (i + 1) * c]
 
-    def prepare(self, staged: Sequence[int]) -> None:
-        pass
-
     def segments(self, i: int) -> list[np.ndarray]:
         if self._np is None:
             self._np = self._u8.numpy()
@@ -66,22 +97,11 @@ class HostSink:
         s = self.spec
         self._dst(i).copy_(torch.frombuffer(src, dtype=torch.uint8).view(s.num_layers, 2, s.chunk_tokens, -1))
 
-    def adopt(
-        self, i: int, src, chunk_checksum: int, on_bad: Callable[[], None], device_sum: int | None = None
-    ) -> bool:
-        return False
-
-    def commit(self, i: int, chunk_checksum: int) -> None:
-        pass
-
-    def on_release(self, fn: Callable[[], None]) -> None:
-        fn()  # nothing adopted: sources release at once
-
     def finish(self, n: int) -> torch.Tensor:
         return self.out[:, :, : n * self.spec.chunk_tokens]
 
 
-class DeviceSink:
+class DeviceSink(Sink):
     """Onto a device (`movers.to_device`: layer group by layer group, completion per layer). Same-node chunks are
     adopted: DMA'd straight from the page-locked slab, unpinned on `load.release()`, and verified while the copies
     run (`load.verified()`): on the device, by their device checksum over the bytes as they landed in the staging
@@ -142,9 +162,6 @@ class DeviceSink:
     def adopt_device(self, i: int, src: torch.Tensor, device_sum: int, on_bad: Callable[[], None]) -> None:
         self._srcs[i] = src
         self._device[i] = (device_sum, on_bad)
-
-    def commit(self, i: int, chunk_checksum: int) -> None:
-        pass
 
     def on_release(self, fn: Callable[[], None]) -> None:
         self._releases.append(fn)

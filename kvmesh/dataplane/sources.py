@@ -1,11 +1,8 @@
-"""Sources: how one run of chunks (`planner.Run`) reaches a sink. Each is two-phase:
+"""Sources: how one run of chunks (`planner.Run`) reaches a sink. The `Fetcher` picks one per run (`Fetcher.source`);
+each is two-phase:
 
-    begin(run, sink, deadline) -> Transfer      phase 1: the request goes out now (a pin, a pull); returns at once
-    Transfer.complete(deadline) -> Landed       phase 2: land the run's chunks in the sink and verify each; stops
-                                                at the first chunk that is missing, late or corrupt
-    Transfer.release()                          always, whatever happened (idempotent): unpins, or stops a
-                                                transfer still running and waits until it no longer writes
-                                                into the sink
+    Source.begin(env, run, sink, opts) -> Transfer   phase 1: the request goes out now (a pin, a pull); returns at
+                                                     once (`transfers`: phase 2, complete, and release)
 
 Sources, by `kind`:
     slab    this node's shared-memory slab: the local KVNode pins the chunks (disk- or GPU-only chunks are first
@@ -15,334 +12,178 @@ Sources, by `kind`:
     tcp     another node's DataServer: the bytes are received straight into the sink, checked as they arrive
     ray     another node's actor, through Ray's object store (the fallback transport)
 
-A chunk that fails its checksum is reported to the node that holds the bad copy, with the rest of its run: the node
-re-verifies each and drops the bad ones. (Reported alone, the bad chunks after it stayed listed, so a writer that
-skips what is listed repaired one chunk per request: a prompt whose chunks were all damaged took as many requests
-as it has chunks to be served again.)
+`slab` and `via` are `pinned`: this node answers them with slab slots pinned for the reader, so their chunks count
+against this node's slab in the fetcher's windows; `tcp` and `ray` are `staged`: they land through the sink's
+`segments`/`put`, for which a device sink needs staging.
+
+`Env` is what sources read: the caller's node, the node view, the data client and pools, and its local side
+(`Attached`: the local KVNode's handle, its slab as mapped here, its GPU tier's pools, peers' handles). A fetch
+never rewrites the local side; it tells it (`stale_slab`, `drop_gpu`), and its owner (a client's
+`attachment.LocalAttachment`) decides.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, wait
-from dataclasses import dataclass
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
 from kvmesh.dataplane.planner import Run
-from kvmesh.handle import NodeCallError, Pending, Pinned
+from kvmesh.dataplane.transfers import Failed, Landed, PinnedTransfer, RayTransfer, TcpTransfer, Transfer
 from kvmesh.nodeview import NodeView
-from kvmesh.tiers import checksum
-from kvmesh.transport import ChecksumError, DataClient
-from kvmesh.wire import MAX_DEADLINE_MS, PullThrough, WireError
+from kvmesh.tiers import TIER_CPU
+from kvmesh.transport import DataClient
+from kvmesh.wire import MAX_DEADLINE_MS, PullThrough
 
 if TYPE_CHECKING:
+    from kvmesh.dataplane.fetcher import FetchOptions
     from kvmesh.dataplane.gpureads import GpuReads
     from kvmesh.handle import LocalHandle, NodeHandle
     from kvmesh.tiers.cpu import SlabReader
 
-WAIT_SLACK_S = 1.0  # past the deadline: how long a release waits for a receiving thread to let go of the sink
+__all__ = ["Attached", "Env", "Source", "SLAB", "VIA", "TCP", "RAY", "Landed", "Transfer", "Failed"]
 
 
-@dataclass(frozen=True, slots=True)
-class Landed:
-    delivered: int  # leading chunks of the run that are in the sink, verified
-    error: str = ""  # why it stopped short: "not_held", "checksum", "deadline", "peer_error", "holder_unknown",
-    # "stale_slab"; "" when it did not
-    corrupt: bool = False  # it stopped at a chunk that failed its checksum
-    device: int = 0  # of the delivered chunks, those read device to device from the node's GPU tier
-    adopted: int = 0  # of the delivered chunks, slab slots the sink reads in place (no host copy)
-
-
-@dataclass
-class Env:
-    """What sources need, owned by the `Fetcher`."""
-
-    here: str  # the caller's node id ("" outside a node)
-    local: NodeHandle | LocalHandle | None  # a handle of this node's KVNode
-    slab: SlabReader | None  # this node's slab, mapped here
-    slot_bytes: int
-    peers: Callable[[str], NodeHandle | LocalHandle | None]  # node id -> handle of its KVNode, or None
-    view: NodeView
-    data: DataClient
-    pool: Executor  # threads for the blocking receives of `tcp` runs
-    on_stale_slab: Callable[[], None] = lambda: None  # the local node's slab moved (it restarted)
-    gpu: GpuReads | None = None  # this node's GPU tier mapped here, or None
-    verify: Executor | None = None  # threads that check slab chunks while the next ones are copied
-
-
-def _check(pool: Executor | None, view) -> Future:
-    """The checksum of `view`, on `pool`'s threads (inline where there is none)."""
-    if pool is not None:
-        return pool.submit(checksum, view)
-    done: Future = Future()
-    done.set_result(checksum(view))
-    return done
-
-
-def _error_of(e: BaseException) -> str:
-    return "deadline" if isinstance(e, TimeoutError) else "peer_error"
-
-
-class Transfer:
-    kind = ""
-    # for the cost model (fetcher._timing): when the reply came, if `complete` waited for it (None: it was in
-    # before, or the transfer has no reply); TCP: when its pool thread began, and when it had received all
-    reply_at: float | None = None
-    started_at: float | None = None
-    ready_at: float | None = None
-
-    def __init__(self, run: Run, sink) -> None:
-        self.run, self.sink = run, sink
-
-    def complete(self, deadline: float) -> Landed:
-        raise NotImplementedError
-
-    def release(self) -> None:
-        pass
-
-
-class Failed(Transfer):
-    """A run whose request could not even go out (no such holder, no address)."""
-
-    def __init__(self, run: Run, sink, kind: str, error: str) -> None:
-        super().__init__(run, sink)
-        self.kind, self._error = kind, error
-
-    def complete(self, deadline: float) -> Landed:
-        return Landed(0, self._error)
-
-
-class PinnedTransfer(Transfer):
-    """`slab` and `via`: the local KVNode answers with pinned slab slots; the chunks are read from the slab here."""
+class Attached:
+    """The local side of a fetch, fixed: a KVNode's own pull-throughs have none (no handle, no slab), and read
+    peers through `peers`. A client's `attachment.LocalAttachment` is one that follows its node's restarts."""
 
     def __init__(
-        self, env: Env, run: Run, sink, chunk_bytes: int, kind: str, pending: Pending[Pinned], copy: bool = False
+        self,
+        local: NodeHandle | LocalHandle | None = None,
+        slab: SlabReader | None = None,
+        slot_bytes: int = 0,
+        peers: Callable[[str], NodeHandle | LocalHandle | None] = lambda node_id: None,
+        on_stale_slab: Callable[[], None] = lambda: None,
+        gpu: GpuReads | None = None,
     ) -> None:
-        super().__init__(run, sink)
-        self.env, self.kind, self._pending, self._cb = env, kind, pending, chunk_bytes
-        self._copy = copy  # copied into the sink, never adopted: unpinned as soon as it is released
-        assert env.local is not None, "slab and via runs go through this node's KVNode"
-        self._local = env.local
-        self._pinned: Pinned | None = None
-        self._waited = False
-        self._adopted = False
-        self._released = False
+        self.local, self.slab, self.slot_bytes, self.gpu = local, slab, slot_bytes, gpu
+        self._peers, self._on_stale_slab = peers, on_stale_slab
 
-    def complete(self, deadline: float) -> Landed:
-        env, run, sink, local = self.env, self.run, self.sink, self._local
-        self._waited = True
-        was_in = self._pending.done()
-        try:
-            self._pinned = p = self._pending.result(deadline - time.monotonic())
-        except (NodeCallError, TimeoutError, WireError) as e:
-            self._waited = False  # the reply may still come: its pin is released when it does
-            return Landed(0, _error_of(e))
-        if not was_in:
-            self.reply_at = time.monotonic()
-        if env.slab is None or p.slab_path != env.slab.path:
-            env.on_stale_slab()
-            return Landed(0, "stale_slab")
-        cb = self._cb
-        g = len(p.gpu)  # the leading chunks pinned in the GPU tier: read device to device
-        for j, row in enumerate(p.gpu):
-            if row.nbytes != cb:
-                return Landed(j, "not_held")
-            gpu = env.gpu  # (another fetch may have dropped it meanwhile)
-            if gpu is None:
-                return Landed(j, "gpu_unreachable")
-            try:
-                src = gpu.view(row.slot, cb)
-            except Exception:  # the pool cannot be read any more (GpuIpcError): the rest comes next time
-                env.gpu = None
-                return Landed(j, "gpu_unreachable")
-            key = run.keys[j]
-            sink.adopt_device(run.start + j, src, row.checksum, lambda k=key: local.report_corrupt([k]))
-            self._adopted = True
-        checks: list = []  # (j, key, checksum wanted, its check) of the chunks copied so far, in order
-        adopted = 0
-        try:
-            for j0, row in enumerate(p.chunks):
-                j = g + j0
-                if row.nbytes != cb:
-                    return self._settle(checks, Landed(j, "not_held", device=g, adopted=adopted))
-                i = run.start + j
-                view = env.slab.view(row.slot * env.slot_bytes, cb)
-                key = run.keys[j]
-                if not self._copy and sink.adopt(
-                    i, view, row.checksum, lambda k=key: local.report_corrupt([k]), row.devsum
-                ):
-                    self._adopted = True
-                    adopted += 1
-                    continue
-                sink.put(i, view)
-                # checked after the copy (catches a slot overwritten under us, too), on the verify threads while
-                # the next chunks are copied; committed in order once its check is in (`_settle`)
-                checks.append((j, key, row.checksum, _check(env.verify, view)))
-            n = g + len(p.chunks)
-            return self._settle(checks, Landed(n, "" if n == len(run.keys) else "not_held", device=g, adopted=adopted))
-        finally:
-            wait([c[3] for c in checks])  # no check reads the slab once the run is released (unpinned)
+    def peer(self, node_id: str) -> NodeHandle | LocalHandle | None:
+        """The handle of `node_id`'s KVNode, or None."""
+        return self._peers(node_id)
 
-    def _settle(self, checks: list, landed: Landed) -> Landed:
-        """`landed`, once the checks of the chunks copied before it ended are in: the first chunk that failed its
-        checksum ends the run there instead (and is reported to the node); those before it are committed."""
-        for j, _key, want, check in checks:
-            if check.result() != want:
-                self._local.report_corrupt(list(self.run.keys[j:]))  # (with the rest: see the module docstring)
-                return Landed(j, "checksum", corrupt=True, device=landed.device, adopted=landed.adopted)
-            self.sink.commit(self.run.start + j, want)
-        return landed
+    def stale_slab(self) -> None:
+        """A pin named another slab than the one mapped here: the local node restarted."""
+        self._on_stale_slab()
 
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        local = self._local
-
-        def unpin(p: Pinned) -> None:
-            if p.chunks or p.gpu:
-                local.unpin(p.pin_id)
-
-        if not self._waited:  # never waited for (a run after the fetch was cut short), or it timed out
-            if self._pending.done():
-                try:
-                    unpin(self._pending.result(0))
-                except (NodeCallError, TimeoutError, WireError):
-                    pass
-            else:  # unpin whenever the reply arrives
-                self._pending.abandon(unpin)
-        elif self._pinned is not None and (self._pinned.chunks or self._pinned.gpu):
-            if self._adopted:  # the sink still reads the slots: unpin when it lets go
-                self.sink.on_release(lambda p=self._pinned: unpin(p))
-            else:
-                unpin(self._pinned)
+    def drop_gpu(self, gpu: GpuReads) -> None:
+        """`gpu` (the pools mapped here) cannot be read any more: GPU-tier chunks come through the slab."""
+        if self.gpu is gpu:
+            self.gpu = None
 
 
-class TcpTransfer(Transfer):
-    """`tcp`: received on a pool thread straight into the sink's segments, each chunk checked as it arrives."""
+class Env:
+    """What sources need, owned by the `Fetcher`; its local side is `attached`'s, read here, never written.
+    `Env(here, local, slab, slot_bytes, peers, view, data, pool, ...)` makes a fixed one (`Attached`)."""
 
-    kind = "tcp"
+    def __init__(
+        self,
+        here: str,  # the caller's node id ("" outside a node)
+        local: NodeHandle | LocalHandle | None,  # a handle of this node's KVNode
+        slab: SlabReader | None,  # this node's slab, mapped here
+        slot_bytes: int,
+        peers: Callable[[str], NodeHandle | LocalHandle | None],  # node id -> handle of its KVNode, or None
+        view: NodeView,
+        data: DataClient,
+        pool: Executor,  # threads for the blocking receives of `tcp` runs
+        on_stale_slab: Callable[[], None] = lambda: None,  # the local node's slab moved (it restarted)
+        gpu: GpuReads | None = None,  # this node's GPU tier mapped here, or None
+        verify: Executor | None = None,  # threads that check slab chunks while the next ones are copied
+        attached: Attached | None = None,  # the local side instead of local, slab, slot_bytes, peers, ..., gpu
+    ) -> None:
+        self.here, self.view, self.data, self.pool, self.verify = here, view, data, pool, verify
+        self.attached = attached or Attached(local, slab, slot_bytes, peers, on_stale_slab, gpu)
 
-    def __init__(self, env: Env, run: Run, sink, chunk_bytes: int, address: str, deadline: float) -> None:
-        super().__init__(run, sink)
-        self.env = env
-        self._cancel = threading.Event()
-        self._sums: list[int] = []
-        self._future: Future = env.pool.submit(
-            self._pull,
-            address,
-            list(run.keys),
-            chunk_bytes,
-            lambda j: sink.segments(run.start + j),
-            deadline,
-            env.here,
-            self._sums,
-            self._cancel,
-        )
-        self._future.add_done_callback(self._ready)
+    @classmethod
+    def of(cls, here: str, attached: Attached, view: NodeView, data: DataClient, pool: Executor, verify=None) -> Env:
+        return cls(here, None, None, 0, attached.peer, view, data, pool, verify=verify, attached=attached)
 
-    def _pull(self, *args):
-        self.started_at = time.monotonic()  # (not when submitted: it may have waited for a pool thread)
-        return self.env.data.pull(*args)
+    @property
+    def local(self) -> NodeHandle | LocalHandle | None:
+        return self.attached.local
 
-    def _ready(self, _f: Future) -> None:
-        self.ready_at = time.monotonic()
+    @property
+    def slab(self) -> SlabReader | None:
+        return self.attached.slab
 
-    def complete(self, deadline: float) -> Landed:
-        run = self.run
-        try:
-            k, err = self._future.result(timeout=max(0.0, deadline - time.monotonic()) + WAIT_SLACK_S)
-        except TimeoutError:
-            self._cancel.set()
-            return Landed(0, "deadline")
-        for j in range(k):
-            self.sink.commit(run.start + j, self._sums[j])
-        if err is None:
-            return Landed(k, "" if k == len(run.keys) else "not_held")
-        if isinstance(err, ChecksumError):
-            holder = self.env.peers(run.holder)
-            if holder is not None:
-                holder.report_corrupt(list(run.keys[k:]))
-            return Landed(k, "checksum", corrupt=True)
-        return Landed(k, _error_of(err))
+    @property
+    def slot_bytes(self) -> int:
+        return self.attached.slot_bytes
 
-    def release(self) -> None:
-        self._cancel.set()
-        try:  # it writes into the sink's memory until it returns: never leave it running behind the caller
-            self._future.result(timeout=WAIT_SLACK_S + 5.0)
-        except Exception:
-            pass
+    @property
+    def gpu(self) -> GpuReads | None:
+        return self.attached.gpu
+
+    def peers(self, node_id: str) -> NodeHandle | LocalHandle | None:
+        return self.attached.peer(node_id)
 
 
-class RayTransfer(Transfer):
-    """`ray`: the holder's actor sends the run through Ray's object store; each chunk is checked, then copied."""
+class Source:
+    kind = ""
+    pinned = False  # answered with slots of this node's slab, pinned for the reader
+    staged = False  # lands through the sink's segments/put
 
-    kind = "ray"
+    def brings(self, run: Run) -> int:
+        """Of `run`'s chunks, those its node must bring into its slab first (on its disk or GPU tier, as the
+        lookup found them): chunks already in a slab are pinned where they lie."""
+        return sum(t != TIER_CPU for t in run.tiers)
 
-    def __init__(self, env: Env, run: Run, sink, chunk_bytes: int, holder) -> None:
-        super().__init__(run, sink)
-        self.env, self._holder, self._cb = env, holder, chunk_bytes
-        self._pending = holder.pull(list(run.keys))
-
-    def complete(self, deadline: float) -> Landed:
-        run, cb = self.run, self._cb
-        was_in = self._pending.done()
-        try:
-            p = self._pending.result(deadline - time.monotonic())
-        except (NodeCallError, TimeoutError, WireError) as e:
-            return Landed(0, _error_of(e))
-        if not was_in:
-            self.reply_at = time.monotonic()
-        off = 0
-        for j, (nbytes, want) in enumerate(p.rows[: len(run.keys)]):
-            if nbytes != cb or off + nbytes > p.data.size:
-                return Landed(j, "peer_error")
-            piece = p.data[off : off + nbytes]
-            if checksum(piece) != want:  # damaged on the way (the holder checked before sending)
-                self._holder.report_corrupt(list(run.keys[j:]))
-                return Landed(j, "checksum", corrupt=True)
-            self.sink.put(run.start + j, piece)
-            self.sink.commit(run.start + j, want)
-            off += nbytes
-        n = min(len(p.rows), len(run.keys))
-        return Landed(n, "" if n == len(run.keys) else "not_held")
+    def begin(self, env: Env, run: Run, sink, opts: FetchOptions, copy: bool = False) -> Transfer:
+        """Phase 1 of `run`. `copy`: a pinned run is copied into the sink (the sink has staging for it), never
+        adopted, so that its pins go as soon as it is released."""
+        raise NotImplementedError
 
 
-def begin(
-    env: Env,
-    run: Run,
-    kind: str,
-    sink,
-    chunk_bytes: int,
-    deadline: float,
-    group: bytes = b"",
-    transport: str = "tcp",
-    copy: bool = False,
-) -> Transfer:
-    """Phase 1 of `run` through source `kind` ("slab", "via", "tcp", "ray"), for chunks of `chunk_bytes`. `copy`:
-    a pinned run ("slab", "via") is copied into the sink (the sink has staging for it), never adopted, so that its
-    pins go as soon as it is released."""
-    if kind == "slab":  # a device sink on a GPU reads GPU-tier chunks device to device where it can map them
+class Slab(Source):
+    kind, pinned = "slab", True
+
+    def begin(self, env: Env, run: Run, sink, opts: FetchOptions, copy: bool = False) -> Transfer:
+        # a device sink on a GPU reads GPU-tier chunks device to device where it can map them
         assert env.local is not None, "the planner gives slab runs only to a reader beside its KVNode"
         gpu = not copy and env.gpu is not None and getattr(sink, "device_reads", False)
         # held while the sink may read the slots: an adopting sink reads them until the fetch ends, so the pin
         # must not lapse before the deadline however long it is (the node's pin TTL runs from there)
-        hold = max(0.0, deadline - time.monotonic())
-        return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pin(list(run.keys), gpu, hold), copy)
-    if kind == "via":
+        hold = max(0.0, opts.deadline - time.monotonic())
+        pending = env.local.pin(list(run.keys), gpu, hold)
+        return PinnedTransfer(env, run, sink, opts.chunk_bytes, self.kind, pending, copy)
+
+
+class Via(Source):
+    kind, pinned = "via", True
+
+    def brings(self, run: Run) -> int:
+        return len(run.keys)  # (pulled from its holder, all of it)
+
+    def begin(self, env: Env, run: Run, sink, opts: FetchOptions, copy: bool = False) -> Transfer:
         assert env.local is not None, "pull-throughs go through this node's KVNode"
-        ms = max(0, min(MAX_DEADLINE_MS, int((deadline - time.monotonic()) * 1000)))
-        req = PullThrough(list(run.keys), group, chunk_bytes, run.holder, transport, ms, run.incarnation)
-        return PinnedTransfer(env, run, sink, chunk_bytes, kind, env.local.pull_through(req), copy)
-    if kind == "tcp":
+        ms = max(0, min(MAX_DEADLINE_MS, int((opts.deadline - time.monotonic()) * 1000)))
+        cb = opts.chunk_bytes
+        req = PullThrough(list(run.keys), opts.group, cb, run.holder, opts.transport, ms, run.incarnation)
+        return PinnedTransfer(env, run, sink, cb, self.kind, env.local.pull_through(req), copy)
+
+
+class Tcp(Source):
+    kind, staged = "tcp", True
+
+    def begin(self, env: Env, run: Run, sink, opts: FetchOptions, copy: bool = False) -> Transfer:
         info = env.view.info(run.holder, run.incarnation)
         if info is None or not info.data_addr:
-            return Failed(run, sink, kind, "holder_unknown")
-        return TcpTransfer(env, run, sink, chunk_bytes, info.data_addr, deadline)
-    assert kind == "ray", kind
-    holder = env.peers(run.holder)
-    if holder is None:
-        return Failed(run, sink, kind, "holder_unknown")
-    return RayTransfer(env, run, sink, chunk_bytes, holder)
+            return Failed(run, sink, self.kind, "holder_unknown")
+        return TcpTransfer(env, run, sink, opts.chunk_bytes, info.data_addr, opts.deadline)
+
+
+class Ray(Source):
+    kind, staged = "ray", True
+
+    def begin(self, env: Env, run: Run, sink, opts: FetchOptions, copy: bool = False) -> Transfer:
+        holder = env.peers(run.holder)
+        if holder is None:
+            return Failed(run, sink, self.kind, "holder_unknown")
+        return RayTransfer(env, run, sink, opts.chunk_bytes, holder)
+
+
+SLAB, VIA, TCP, RAY = Slab(), Via(), Tcp(), Ray()
+BY_TRANSPORT = {"tcp": TCP, "ray": RAY}

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from kvmesh.client import KVMeshClient, connect
+from kvmesh.client import KVMeshClient
+from kvmesh.connecting import connect
 from kvmesh.hashing import client_salt, root_hash
 from kvmesh.integrations.identity import local_model_id
 from kvmesh.integrations.sglang_generation import GenerationCounter

@@ -80,7 +80,7 @@ def _ensure_ray(options: ConnectorOptions) -> None:
 
 def _connector_for(options: ConnectorOptions):
     """spec -> a KVMeshClient on this engine's node, with the connector's overrides."""
-    from kvmesh.client import connect
+    from kvmesh.connecting import connect
 
     node_id = local_node_id(options.ray_node_id)
     extra: dict[str, Any] = {"fetch_timeout_s": options.fetch_timeout_s} if options.fetch_timeout_s else {}

@@ -30,15 +30,21 @@ class EngineClients:
                 c = self._made.get((lora_id, group))
                 if c is None:
                     c = self._connect(replace(self.specs[group], lora_id=lora_id))
-                    if hasattr(c, "share_counts"):  # (a KVMeshClient; tests' stand-ins share the Counter)
-                        c.share_counts(self.base)
-                    else:
-                        c.counts = self.base.counts
-                    if self._share_cost:
-                        c.cost = self.base.cost
+                    _share(c, self.base, self._share_cost)
                     self._made[(lora_id, group)] = c
         return c
 
     def all(self) -> list:
         with self._lock:
             return list(self._made.values())
+
+
+def _share(client, base, cost: bool) -> None:
+    """`client` counts into `base`'s counters (and learns into its cost model: `cost`), through
+    `KVMeshClient.share`. (Stand-ins without `share`, in tests, hold plain `counts` and `cost` attributes.)"""
+    if hasattr(client, "share"):
+        client.share(base, cost=cost)
+        return
+    client.counts = base.counts
+    if cost:
+        client.cost = base.cost

@@ -205,7 +205,7 @@ class KVMeshTier(SecondaryTierManager):
         rows = np.frombuffer(primary_kv_view.cast("B"), dtype=np.uint8)
         self._rows = torch.from_numpy(rows).view(-1, row)  # the primary tier: row c is chunk slot c
         ensure_ray(self.options.get("ray_address"), "kvmesh-vllm")
-        from kvmesh.client import connect
+        from kvmesh.connecting import connect
 
         node_id = local_node_id(self.options.get("ray_node_id"))
         extra = {"fetch_timeout_s": self.options["fetch_timeout_s"]} if "fetch_timeout_s" in self.options else {}

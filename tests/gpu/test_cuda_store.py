@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvmesh import KVSpec
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.config import KVMeshConfig
 from kvmesh.node import KVNode
 

@@ -7,7 +7,7 @@ a plain object against a real redis-server. Skipped without CUDA."""
 import pytest
 import torch
 
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.config import KVMeshConfig
 from kvmesh.integrations.hf import generate, spec_for_model
 from kvmesh.node import KVNode

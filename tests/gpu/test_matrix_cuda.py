@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.config import KVMeshConfig
 from kvmesh.handle import LocalHandle
 from kvmesh.node import KVNode

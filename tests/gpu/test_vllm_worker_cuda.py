@@ -281,7 +281,7 @@ def node(tmp_path_factory):
 
 
 def real_worker(node, layers):
-    from kvmesh.client import connect_local
+    from kvmesh.connecting import connect_local
 
     w = WorkerSide([SPEC], lambda spec: connect_local(spec, node), ConnectorOptions(), BS, "kv_both", [NAMES],
                    background_copy=True)
@@ -356,7 +356,7 @@ def test_a_chunk_that_fails_its_checksum_in_the_slab_is_never_used(node, sync):
     save_ids = torch.randperm(NB, generator=g)[:3 * P].tolist()
     load_ids = torch.randperm(NB, generator=g)[:3 * P].tolist()
     save_through(node, src, toks, save_ids)
-    from kvmesh.client import connect_local
+    from kvmesh.connecting import connect_local
 
     c = connect_local(SPEC, node)
     try:

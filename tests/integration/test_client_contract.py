@@ -10,7 +10,7 @@ import pytest
 import redis
 import torch
 
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.hashing import root_hash
 from kvmesh.spec import KVSpec
 

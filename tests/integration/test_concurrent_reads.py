@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvmesh import KVSpec
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.config import KVMeshConfig
 from kvmesh.handle import LocalHandle
 from kvmesh.hashing import as_tokens, chunk_hashes

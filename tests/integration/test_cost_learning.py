@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvmesh import KVSpec
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.handle import LocalHandle
 from kvmesh.local import RedisServer
 from tests.conftest import NodeFactory, wait_until

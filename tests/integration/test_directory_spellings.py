@@ -12,7 +12,7 @@ import redis
 import torch
 
 from kvmesh import KVSpec
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.config import KVMeshConfig
 from kvmesh.local import RedisClusterServers, RedisServer
 from kvmesh.node import KVNode

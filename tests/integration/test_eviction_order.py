@@ -7,7 +7,7 @@ import time
 import torch
 
 from kvmesh import KVSpec
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.local import RedisServer
 
 SPEC = KVSpec("eviction-order", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", chunk_tokens=16)

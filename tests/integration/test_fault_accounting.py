@@ -13,7 +13,7 @@ import pytest
 import redis
 import torch
 
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.spec import KVSpec
 from tests.conftest import wait_until
 

@@ -12,7 +12,7 @@ import pytest
 import redis
 import torch
 
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.node import KVNode
 from kvmesh.spec import KVSpec
 from tests.conftest import wait_until

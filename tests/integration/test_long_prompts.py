@@ -7,7 +7,7 @@ import pytest
 import redis
 import torch
 
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.spec import KVSpec
 
 SPEC = KVSpec("long-prompts-model", 2, 2, 8, "float16", chunk_tokens=4)

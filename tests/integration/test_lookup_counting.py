@@ -6,7 +6,7 @@ import pytest
 import redis
 import torch
 
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.cost import LinkModel
 from kvmesh.integrations.hf import generate, spec_for_model, tiny_llama
 from kvmesh.spec import KVSpec

@@ -7,7 +7,7 @@ import time
 import pytest
 import redis
 
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.local import RedisServer
 from kvmesh.tiers.build import remove_stale_slabs
 from kvmesh.spec import KVSpec

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvmesh import KVSpec
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.handle import LocalHandle
 from kvmesh.local import RedisServer
 from kvmesh.telemetry import Records

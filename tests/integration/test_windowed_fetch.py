@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvmesh import KVSpec
-from kvmesh.client import connect_local
+from kvmesh.connecting import connect_local
 from kvmesh.handle import LocalHandle
 from kvmesh.hashing import as_tokens, chunk_hashes
 from kvmesh.node import KVNode

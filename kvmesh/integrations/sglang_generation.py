@@ -40,6 +40,11 @@ class GenerationCounter:
     _gen_seen_at: float  # when it was last read (or put back) by this engine
     _gen_lost_at: float  # when this engine, too long idle to put it back, first found it missing
 
+    def generation_key(self) -> str:
+        """The Redis key of this engine's (spec, salt) counter (`Directory.generations`)."""
+        assert self.client is not None, "registered"
+        return self.client.directory.generations.key(self._root)
+
     def _trust_s(self) -> float:
         """How lately this engine must have read the counter to put back, when it is missing, the generation it
         knows (a clear reaches every engine within `generation_refresh_s`; this allows ten of those)."""

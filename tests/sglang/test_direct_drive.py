@@ -272,7 +272,7 @@ def test_a_generation_the_directory_forgot_is_never_reused(sgl_cluster, redis_se
     keys = keys_for("doc8", 2)
     assert ray.get(ea.write.remote(keys, 0), timeout=120)[0] == [True] * 2
     ray.get(ea.call.remote("clear"), timeout=60)
-    key = ray.get(ea.call.remote("_gen_key"), timeout=60)
+    key = ray.get(ea.call.remote("generation_key"), timeout=60)
     r = redis.Redis.from_url(redis_server.url)
     try:
         gen = int(r.get(key))
@@ -305,7 +305,7 @@ def test_engines_that_all_restarted_after_redis_lost_the_counter_never_meet_clea
     keys = keys_for("doc9", 2)
     assert ray.get(ec.write.remote(keys, 0), timeout=120)[0] == [True] * 2
     old = ray.get(ec.call.remote("_refresh_generation", True), timeout=60)
-    gen_key = ray.get(ec.call.remote("_gen_key"), timeout=60)
+    gen_key = ray.get(ec.call.remote("generation_key"), timeout=60)
     prefix = gen_key.split(":sglang:")[0]
     ray.get(ec.call.remote("clear"), timeout=60)
     ray.kill(ec)
@@ -341,7 +341,7 @@ def test_an_engine_idle_since_a_clear_never_puts_back_the_generation_that_clear_
     assert ray.get(ea.write.remote(keys, 0), timeout=120)[0] == [True] * 2
     assert ray.get(eb.call.remote("batch_exists", keys), timeout=60) == 2
     old = ray.get(eb.call.remote("_refresh_generation", True), timeout=60)
-    gen_key = ray.get(ea.call.remote("_gen_key"), timeout=60)
+    gen_key = ray.get(ea.call.remote("generation_key"), timeout=60)
     prefix = gen_key.split(":sglang:")[0]
     old_group = f"{prefix}:g:{{{old.hex()}}}"
     time.sleep(ray.get(eb.call.remote("_trust_s"), timeout=60) + 0.5)  # (both idle)

@@ -107,7 +107,7 @@ def test_re_registering_another_pool_reads_it_and_leaves_other_specs_alone(sgl_c
     be = backend(small, model_id="rereg@r1")
     r = redis.Redis.from_url(redis_server.url)
     try:
-        r.set(be._gen_key(), 1 << 50)  # (the old spec's generation, higher than any start of a new counter)
+        r.set(be.generation_key(), 1 << 50)  # (the old spec's generation, higher than any start of a new counter)
         be._refresh_generation(force=True)
         idx = small.alloc(32)
         assert be.batch_set_v1(keys_for("rereg-small", 2), idx) == [True, True]

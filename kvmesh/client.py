@@ -294,24 +294,23 @@ class KVMeshClient(ByKeys):
         c = self.spec.chunk_tokens
         return self._store(
             hashes[0] if hashes else b"", hashes, lambda i: kv[:, :, i * c : (i + 1) * c], True, not handover
-        )
+        ).handed
 
     def _store(
         self, group: bytes, keys: list[bytes], chunk, seen: bool, snapshot: bool = True, mine: list | None = None
-    ) -> int:
+    ) -> StoreResult:
         if not keys:
             self.last_store = StoreResult(0)
-            return 0
-        if self.stores is None:
+        elif self.stores is None:
             self.counts["store_no_local_node"] += 1
             self.last_store = StoreResult(0, 0, len(keys), "no_local_node")
-            return 0
-        self.last_store = res = self.stores.store(
-            group, keys, chunk, self.lookups.held(group, keys, seen), snapshot, mine
-        )
-        if res.handed:
-            self.directory.touched(group)
-        return res.handed
+        else:
+            self.last_store = self.stores.store(
+                group, keys, chunk, self.lookups.held(group, keys, seen), snapshot, mine
+            )
+            if self.last_store.handed:
+                self.directory.touched(group)
+        return self.last_store
 
     def flush(self, timeout_s: float = 30.0) -> int:
         """Wait until every store handed over so far (by any thread) is in the node's tier and registered; returns

@@ -5,9 +5,11 @@ group they are registered in. They go through the client's own parts: its `Looku
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvmesh import arguments
+from kvmesh.match import StoreResult
 
 if TYPE_CHECKING:
     from kvmesh.lookups import Lookups
@@ -24,7 +26,9 @@ class ByKeys:
     def _check_open(self, what: str) -> None:
         raise NotImplementedError
 
-    def _store(self, group: bytes, keys: list[bytes], chunk, seen: bool, snapshot: bool = True, mine=None) -> int:
+    def _store(
+        self, group: bytes, keys: list[bytes], chunk, seen: bool, snapshot: bool = True, mine=None
+    ) -> StoreResult:
         raise NotImplementedError
 
     def lookup_keys(self, group: bytes, keys: list[bytes], count: bool = True) -> Match:
@@ -46,28 +50,34 @@ class ByKeys:
         arguments.keys(group, keys)
         return self.lookups.held_each(group, keys, count)
 
-    def store_keys(self, group: bytes, keys: list[bytes], chunks) -> int:
+    def store_keys(self, group: bytes, keys: list[bytes], chunks, *, handover: bool = False) -> StoreResult:
         """`store` for caller-made keys: `chunks[i]` (a tensor of the spec's dtype and `chunk_shape`, any
         strides, e.g. a view into an engine's host pool; all on one device) is chunk `keys[i]`, registered in
         directory group `group`. Those not already cached are copied out before this returns (on a GPU: on the
-        current stream) and handed to the local node; returns their count."""
-        return self._store_keys(group, keys, chunks)
+        current stream) and handed to the local node. The result says how many were handed over, already cached,
+        or dropped and why (`StoreResult.ok`: none dropped). `handover=True`: the caller never writes the chunks
+        again (tensors made for this store), so a GPU store reads them as they are, without a snapshot copy."""
+        arguments.flag("handover", handover)
+        return self._store_keys(group, keys, chunks, snapshot=not handover)
 
-    def _store_keys(self, group: bytes, keys: list[bytes], chunks, mine: list | None = None) -> int:
+    def _store_keys(
+        self, group: bytes, keys: list[bytes], chunks, mine: list | None = None, snapshot: bool = True
+    ) -> StoreResult:
         self._check_open("store_keys")
         arguments.keys(group, keys)
         arguments.chunks(self.spec, chunks, len(keys))
-        return self._store(group, list(keys), lambda i: chunks[i], False, mine=mine)
+        return self._store(group, list(keys), lambda i: chunks[i], False, snapshot, mine)
 
-    def store_keys_waited(self, group: bytes, keys: list[bytes], chunks, timeout_s: float) -> tuple[int, int]:
-        """`store_keys`, then wait at most `timeout_s` for this store alone: (chunks handed to the node, of those
-        the ones it stored and registered by then). Other stores in flight (an earlier one whose wait ran out and
-        whose reply comes now) are not counted: `flush` counts them all."""
+    def store_keys_waited(self, group: bytes, keys: list[bytes], chunks, timeout_s: float) -> StoreResult:
+        """`store_keys`, then wait at most `timeout_s` for this store alone: the result's `stored` is how many of the
+        chunks handed to the node it stored and registered by then (a chunk it refused after receiving it, or one
+        not done in time, is not; `ok` is False then). Other stores in flight (an earlier one whose wait ran out
+        and whose reply comes now) are not counted: `flush` counts them all."""
         arguments.seconds("timeout_s", timeout_s)
         mine: list = []
-        sent = self._store_keys(group, keys, chunks, mine)
-        if not sent or self.stores is None:
-            return sent, 0
+        res = self._store_keys(group, keys, chunks, mine)
+        if not res.handed or self.stores is None:
+            return replace(res, stored=0)
         if len(chunks) and chunks[0].is_cuda:  # (handed over by the background thread: not collected)
-            return sent, self.stores.flush(timeout_s)
-        return sent, self.stores.flush_own(mine, timeout_s)
+            return replace(res, stored=self.stores.flush(timeout_s))
+        return replace(res, stored=self.stores.flush_own(mine, timeout_s))

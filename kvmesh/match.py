@@ -126,12 +126,21 @@ class Fetched:
 @dataclass(frozen=True, slots=True)
 class StoreResult:
     """What one store did: of the full chunks given, how many were handed to the node, how many were already
-    cached, and how many were dropped (too many stores in flight, or no node on this Ray node)."""
+    cached, and how many were dropped (too many stores in flight, or no node on this Ray node). `stored`: of the
+    handed chunks, those the node stored and registered, where the store was waited for (`store_keys_waited`);
+    None where it was not."""
 
     handed: int
     cached: int = 0
     dropped: int = 0
     reason: str = ""  # why chunks were dropped: "busy", "no_device_memory", "no_local_node"
+    stored: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every chunk given is cached now or on its way: none dropped, and (where waited for) the node refused
+        none of those it received."""
+        return self.dropped == 0 and (self.stored is None or self.stored == self.handed)
 
 
 def link_observations(runs: Sequence[RunStats], chunk_bytes: int) -> list[tuple[str, int, float]]:

@@ -355,12 +355,6 @@ class StoreQueue:
             self._stager.join(timeout=10)
 
 
-def refusals(counts: Counter) -> int:
-    """Chunks of a client's stores refused before any reached its node (no node, too busy, no device memory): a
-    caller that must know whether its store was taken compares this before and after."""
-    return counts["store_no_local_node"] + counts["store_dropped_busy"] + counts["store_dropped_no_device_memory"]
-
-
 def _snapshot(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
     """The chunks as they are at `submit`, copied on the caller's current stream (one kernel) into memory that
     belongs to this store. The copies off the GPU run later, on a side stream or from the background thread:

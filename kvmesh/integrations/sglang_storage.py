@@ -31,7 +31,6 @@ from kvmesh.integrations.sglang_spec import (
 )
 from kvmesh.raybootstrap import ensure_ray, local_node_id
 from kvmesh.spec import KVSpec
-from kvmesh.storequeue import refusals
 
 log = logging.getLogger("kvmesh.sglang")
 
@@ -277,16 +276,13 @@ class KVMeshStorage(GenerationCounter, HiCacheStorage):
         if not group:  # (the generation is unknown for now: see _read_generation)
             self.counts["sglang_set_generation_unknown"] += 1
             return False
-        c = self.counts
-        refused = refusals(c)
         assert self.client is not None, "registered"
         # (waited for at most a read's deadline: the lock is the prefetch thread's too, and a node that stalls
         # must not hold SGLang's reads behind a write for flush's default 30 s; a write not done by then is one
         # SGLang counts as failed, and the node still stores it)
         timeout = self.options.get("fetch_timeout_s", self.client.config.fetch_timeout_s)
         with self._io:  # (this store's own replies: a flush counted an earlier set's late reply as this one's)
-            sent, stored = self.client.store_keys_waited(group, page_keys(group, keys), chunks, timeout)
-        return stored == sent and refusals(c) == refused
+            return self.client.store_keys_waited(group, page_keys(group, keys), chunks, timeout).ok
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None

@@ -86,7 +86,6 @@ from kvmesh.integrations.options import VLLM_TIER
 from kvmesh.integrations.vllm_options import config_identity
 from kvmesh.raybootstrap import ensure_ray, local_node_id
 from kvmesh.spec import KVFormat, KVSpec
-from kvmesh.storequeue import refusals
 
 log = logging.getLogger("kvmesh.vllm.tier")
 # Bumped whenever this tier changes how it writes a row's bytes: rows written before are then never read.
@@ -386,11 +385,14 @@ class KVMeshTier(SecondaryTierManager):
         t0 = time.monotonic()
         ok, sent = False, 0
         try:
-            c = self.counts
-            refused = refusals(c)
             chunks = [self._rows[i].view(self.spec.chunk_shape) for i in chunk_ids]
-            sent = self.client.store_keys(self.group, tier_keys(self.group, keys), chunks)  # copies the rows out
-            ok = refusals(c) == refused
+            # (copies the rows out; waited for: a store the node refused after receiving it, or one it did not
+            # finish within a read's deadline, is a failed job, which vLLM's backpressure and metrics read)
+            timeout = self.options.get("fetch_timeout_s") or self.client.config.fetch_timeout_s
+            res = self.client.store_keys_waited(self.group, tier_keys(self.group, keys), chunks, timeout)
+            sent, ok = res.handed, res.ok
+            if not ok:
+                self.counts["vllm_tier_store_refused_chunks"] += res.dropped + res.handed - (res.stored or 0)
         except Exception as e:
             self.counts["vllm_tier_errors_store"] += 1
             log.warning("kvmesh vLLM tier: store of %d chunks failed: %s", len(keys), e)

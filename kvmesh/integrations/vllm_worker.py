@@ -426,7 +426,7 @@ class WorkerSide:
         client = self.client(job.lora_id, job.group)
         hashes = client.hashes(np.frombuffer(job.tokens, dtype="<u4"), job.salt)
         with self.client_lock:
-            sent = client.store_keys(hashes[0], hashes[job.first_chunk : job.end_chunk], list(staging))
+            sent = client.store_keys(hashes[0], hashes[job.first_chunk : job.end_chunk], list(staging)).handed
         self.count("vllm_saved_chunks", sent)
         if len(self.specs) > 1:
             self.count(f"vllm_saved_chunks_group{job.group}", sent)

@@ -68,7 +68,7 @@ def w_plant(arch, tokens, salt: str, noisy_chunks: list[int]) -> int:
         for i in noisy_chunks:
             chunks[i] = (torch.randn(chunks[i].shape) * chunks[i].std()).to(chunks[i].dtype)
         h = c.hashes(tokens, salt)
-        sent = c.store_keys(h[0], h[:n], chunks)
+        sent = c.store_keys(h[0], h[:n], chunks).handed
         c.flush()
         return sent
 

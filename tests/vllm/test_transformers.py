@@ -117,7 +117,7 @@ def test_vllm_attends_to_the_kv_it_loads(setup):
     wrong = kv_from_cache(cache, PREFIX, hf.config.num_hidden_layers)
     y = tokens(821, PREFIX) + tokens(822, SUFFIX)
     keys = client.hashes(y)[:4]
-    assert client.store_keys(keys[0], keys, [wrong[:, :, i * 256:(i + 1) * 256] for i in range(4)]) == 4
+    assert client.store_keys(keys[0], keys, [wrong[:, :, i * 256:(i + 1) * 256] for i in range(4)]).handed == 4
     assert client.flush() == 4
     before = external(f)
     out = gen(f, [y])

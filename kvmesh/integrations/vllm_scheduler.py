@@ -45,7 +45,6 @@ from kvmesh.match import Match
 from kvmesh.tiers import TIER_DISK
 
 log = logging.getLogger("kvmesh.vllm")
-DIRECTORY_RETRY_S = 5.0  # after a lookup found the directory away, requests go without kvmesh this long
 
 
 @dataclass(slots=True)
@@ -100,7 +99,6 @@ class SchedulerSide:
         # node -> monotonic time until which its chunks are not offered: a worker could not reach it, and the
         # directory may list a dead node until its lease ends (vLLM would otherwise retry the same load)
         self._unreachable: dict[str, float] = {}
-        self._directory_down_until = 0.0  # after a failed lookup, new requests skip kvmesh until then
         # vLLM's KV cache manager (`get_block_ids(req_id)`, `evict_blocks(ids)`), bound by vLLM once it is built
         # (None when this side runs alone): failed loads are taken out of vLLM's own prefix cache through it
         self.prefix_cache = None
@@ -156,11 +154,11 @@ class SchedulerSide:
         first = num_computed_tokens // c  # a chunk vLLM holds only in part is loaded whole, its rest written
         if first >= last:
             return 0, False
-        now = time.monotonic()
-        if now < self._directory_down_until:  # no lookup timeout per request while the directory is away
+        # the client's breaker: a directory call of this client failed moments ago (no lookup timeout per request
+        # while the directory is away; the client's refresh closes it as soon as the directory answers)
+        if not self.client(st.lora_id, self.order[0]).view.allow():
             self.counts["vllm_skip_directory_down"] += 1
             return 0, False
-        errors = self.counts["directory_errors"]
         count = st.counted_at != num_computed_tokens
         st.counted_at = num_computed_tokens
         found: dict[tuple[int, int], tuple[int, int, Match]] = {}  # (group, lo) -> (asked end, present, Match)
@@ -174,8 +172,6 @@ class SchedulerSide:
                 self.counts["vllm_cost_model_cut_chunks"] += (end - first_lo - plan.end) * count
                 end = self._converge(st, first, first_lo + plan.end, found, plan_box, count)
                 lo0 = first if not self.specs[g0].window else max(first, self.specs[g0].window_start_chunk(end * c))
-        if self.counts["directory_errors"] > errors:
-            self._directory_down_until = time.monotonic() + DIRECTORY_RETRY_S
         self.counts["vllm_lookup_tokens"] += (n - num_computed_tokens) * count
         external = end * c - num_computed_tokens
         if end <= first or external <= 0:

@@ -29,6 +29,7 @@ class Client:
         self.config = NS(lease_s=5.0)
         self.cost = NS(prefill=NS(observe=lambda *a: None), observe_transfer=lambda *a: None)
         self.recorded = []
+        self.view = NS(allow=lambda: True)  # the client's directory breaker: closed
 
     def hashes(self, toks, salt=None):
         return [bytes([i]) * 16 for i in range(len(toks) // C)]

@@ -268,10 +268,8 @@ class WorkerSide:
         if not self.background_copy:  # the one stall a save costs the step loop: a copy into staging
             for job in saves:
                 staging = None
-                try:
+                try:  # (on a GPU it stays there: the store stages it page-locked or writes it into a GPU tier)
                     staging = self._gather(job)
-                    if staging.is_cuda:
-                        staging = staging.to("cpu")
                 except Exception as e:
                     log.warning("kvmesh: save of %s failed: %s", job.req_id, e)
                     self.count("vllm_errors_save")
@@ -399,8 +397,10 @@ class WorkerSide:
         )
 
     def _run_save(self, item) -> None:
-        """(job, staging, event): store `staging` ([n, *chunk_shape] on the CPU), or first gather it from the
-        blocks (background copy; on a GPU after `event`, on a side stream) and release the blocks."""
+        """(job, staging, event): store `staging` ([n, *chunk_shape], made for this store), or first gather it from
+        the blocks (background copy; on a GPU after `event`, on a side stream) and release the blocks. GPU staging
+        is handed over to the client's GPU store path (page-locked staging on its side stream, or device to device
+        into the node's GPU tier), never copied into pageable memory here."""
         job, staging, event = item
         if staging is None:
             try:
@@ -408,8 +408,8 @@ class WorkerSide:
                     stream = side_stream(self.layers[0].device)
                     with torch.cuda.stream(stream):
                         stream.wait_event(event)
-                        staging = self._gather(job).to("cpu")
-                    stream.synchronize()
+                        staging = self._gather(job)
+                    stream.synchronize()  # (the blocks are released below: the gather must be done)
                 else:
                     staging = self._gather(job)
             except Exception as e:
@@ -426,7 +426,8 @@ class WorkerSide:
         client = self.client(job.lora_id, job.group)
         hashes = client.hashes(np.frombuffer(job.tokens, dtype="<u4"), job.salt)
         with self.client_lock:
-            sent = client.store_keys(hashes[0], hashes[job.first_chunk : job.end_chunk], list(staging)).handed
+            keys = hashes[job.first_chunk : job.end_chunk]
+            sent = client.store_keys(hashes[0], keys, list(staging), handover=True).handed
         self.count("vllm_saved_chunks", sent)
         if len(self.specs) > 1:
             self.count(f"vllm_saved_chunks_group{job.group}", sent)

@@ -4,6 +4,7 @@ thread, one round per heartbeat.
     purge_later(incs)     mutates (no I/O): this node's own earlier incarnations, purged on the next round
     round()               mutates the directory: purges those; and, on the one node that holds the janitor claim,
                           ends the leases of nodes Ray reports dead and purges incarnations whose lease lapsed
+    rounds                reads: how many rounds ended (one that raised does not count): tests wait on it
 
 Readers never see such entries anyway (they check incarnations and leases); purging gives back their memory, and
 Ray's word ends a dead node's lease before it would lapse. Purges write other incarnations' entries only, never
@@ -37,12 +38,17 @@ class Janitor:
         self._lock = threading.Lock()
         self._to_purge: list[int] = []  # this node's own earlier incarnations, guarded by _lock
         self._dead_since: dict[int, float] = {}  # lapsed incarnation -> when first seen (maintenance thread only)
+        self.rounds = 0  # rounds done, whether they purged anything or not (one writer: the maintenance thread)
 
     def purge_later(self, incarnations: list[int]) -> None:
         with self._lock:
             self._to_purge.extend(i for i in incarnations if i)
 
     def round(self) -> None:
+        self._round()
+        self.rounds += 1
+
+    def _round(self) -> None:
         d = self.directory
         while True:
             with self._lock:

@@ -7,6 +7,7 @@ each own one (a KVNode's pull-throughs need peers' addresses too).
                                older than `max_age_s`, or does not know incarnation `inc` of the node
     refresh(direct=False) -> bool   mutates: reads the node table (closes the breaker when the directory answered);
                                `direct`: from the directory itself, never a relay
+    refreshes                  reads: how many refreshes read a table, however they read it (tests wait on it)
     current() -> NodeTable     mutates: reads the table from the directory now and returns it (an entry named an
                                incarnation newer than the view knows: a node joined since)
     allow() -> bool            reads: False while the breaker is open (a directory call failed within `retry_s`
@@ -63,6 +64,7 @@ class NodeView:
         self._table, self._at = EMPTY, -1e9  # guarded by _lock: the last table read and when (monotonic)
         self._open_until = 0.0  # the breaker is open until then
         self.errors = 0  # directory calls that failed (refreshes included)
+        self.refreshes = 0  # refreshes that read a table (from the directory or a relay), guarded by _lock
 
     def table(self) -> NodeTable:
         with self._lock:
@@ -99,6 +101,8 @@ class NodeView:
             self._open_until = 0.0  # it answers again
         if self.publish is not None:
             self.publish.write(table, self._at)
+        with self._lock:  # (counted once relayed too: a waiter on it sees the relay written)
+            self.refreshes += 1
         return True
 
     def current(self) -> NodeTable:

@@ -110,7 +110,8 @@ def test_an_emptied_redis_that_hands_a_node_anothers_old_incarnation_loses_none_
     wait_until(lambda: b.lease.incarnation != old_b and not a.registrar.pending and not b.registrar.pending, 10)
     # whether or not the numbers collided this time, the purge of B's old incarnation must not touch A's entries
     r.close()
-    time.sleep(1.5)  # the janitors' rounds
+    rounds = (a.janitor.rounds, b.janitor.rounds)  # B's re-join named its old incarnation for its janitor's purge
+    wait_until(lambda: a.janitor.rounds > rounds[0] + 1 and b.janitor.rounds > rounds[1] + 1, 10)  # a whole round since
     d = Directory(server.url, "dm")
     assert [found(d, k) for k in prompts] == [4, 4, 4]
     a.check_integrity(directory=True)
@@ -149,7 +150,7 @@ def test_what_a_superseded_process_registered_after_its_purge_is_taken_out_when_
     store(old, 1)
     new = nodes("node-a")
     superseded = old.lease.incarnation
-    time.sleep(0.8)  # the new node's janitor purged the old incarnation
+    wait_until(lambda: new.janitor.rounds >= 1, 10)  # its first round purged the old incarnation (named at start)
     for g in range(2, 6):
         store(old, g)
     wait_until(lambda: old.fenced, 10)
@@ -213,8 +214,8 @@ def test_an_entry_full_of_holders_never_drops_a_live_one_and_lists_a_refused_one
     assert store(late, 7) == keys and late.registrar.flush(5)
     assert late.registrar.unlisted() == {(keys[0], k) for k in keys}
     late.check_integrity(directory=True)  # (its unlisted chunks are known as such)
-    time.sleep(1.0)  # the short-lived ones lapse; a janitor purges them
-    wait_until(lambda: not late.registrar.unlisted(), 10)  # listed at a heartbeat once there was room
+    # the short-lived ones lapse, a janitor purges them, and late is listed at a heartbeat once there is room
+    wait_until(lambda: not late.registrar.unlisted(), 10)
     holders = {h.node_id for h in d.longest_prefix(d.lookup_raw(keys[0], keys), d.node_table())[0]}
     assert holders == {first.node_id, late.node_id} and found(d, keys) == 4
     for n in (first, late):

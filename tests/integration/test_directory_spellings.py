@@ -5,7 +5,6 @@ another legitimate way, must not be refused. Real redis-server (and a real Redis
 import os
 import signal
 import tempfile
-import time
 
 import pytest
 import redis
@@ -16,6 +15,7 @@ from kvmesh.connecting import connect_local
 from kvmesh.config import KVMeshConfig
 from kvmesh.local import RedisClusterServers, RedisServer
 from kvmesh.node import KVNode
+from tests.conftest import wait_until
 
 MiB = 1 << 20
 SPEC = KVSpec("review-dircheck", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=32)
@@ -161,7 +161,9 @@ def test_shared_exporter_does_not_inflate_directory_errors_total(tmp_path):
             assert errors >= 3
             b = connect_local(SPEC, node)  # e.g. a LoRA adapter's client, made later
             b.share_counts(a)
-            time.sleep(3.0)  # both refreshers flush telemetry every node_refresh_s
+            # both refreshers flush telemetry after each refresh: five of each, interleaved (each flip exported +N)
+            since = (a.view.refreshes, b.view.refreshes)
+            wait_until(lambda: a.view.refreshes > since[0] + 5 and b.view.refreshes > since[1] + 5, 10)
             r = rs.connect()
             total = int(r.hget("rv:{n}:totals", "directory_errors_total") or 0)
             assert total <= errors, f"{errors} directory errors exported as {total}"

@@ -14,6 +14,7 @@ from kvmesh import KVSpec
 from kvmesh.config import KVMeshConfig
 from kvmesh.directory import Directory
 from kvmesh.local import RedisServer
+from tests.conftest import wait_until
 from tests.integration.conftest import on_node
 
 MiB = 1 << 20
@@ -98,6 +99,20 @@ def w_lookup_fetch(toks):
         c.close()
 
 
+def _rounds(actor) -> tuple[int, int]:
+    return actor.node.janitor.rounds, actor.node.view.refreshes
+
+
+def rounds(mesh) -> dict[str, tuple[int, int]]:
+    """node id -> (janitor rounds, table refreshes) of each of the mesh's KVNodes."""
+    import ray
+
+    from kvmesh.mesh import node_actors
+
+    actors = node_actors()
+    return {n: ray.get(actors[n].__ray_call__.remote(_rounds), timeout=30) for n in mesh.node_ids}
+
+
 def test_one_node_record_of_a_later_release_does_not_take_the_mesh_down(mesh, ray_cluster, redis_server):
     """A rolling upgrade puts a record this release cannot read into the node table. Before, every
     `kvmesh.connect` raised WireError, the KVNodes' table-relay and maintenance threads died, and clients' tables
@@ -109,7 +124,8 @@ def test_one_node_record_of_a_later_release_does_not_take_the_mesh_down(mesh, ra
     d = Directory(redis_server.url, mesh.config.key_prefix)
     newer = d.join(_NewerNodeInfo(), 60_000)
     try:
-        time.sleep(1.5)  # a few of the nodes' table refreshes and janitor rounds
+        since = rounds(mesh)  # a few of the nodes' table refreshes and janitor rounds, each of which met the record
+        wait_until(lambda: all(j > since[n][0] + 2 and v > since[n][1] + 2 for n, (j, v) in rounds(mesh).items()), 30)
         assert on_node(b, w_lookup_fetch, toks) == (3 * SPEC.chunk_tokens, 3 * SPEC.chunk_tokens, "")
         table = d.node_table()
         assert table.unreadable == {_NewerNodeInfo.node_id: newer.incarnation}

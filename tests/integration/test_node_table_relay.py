@@ -2,7 +2,6 @@
 per node, not one per client; a client whose node stopped relaying, or whose directory is gone, still sees it."""
 
 import os
-import time
 
 import pytest
 import redis
@@ -47,12 +46,17 @@ def test_clients_read_the_table_their_node_relays_and_redis_when_it_stops(two_no
     clients = [connect_local(SPEC, a.node) for _ in range(3)]
     try:
         reads = [Counted(c.directory) for c in clients]
-        # a client reads Redis itself when it starts, and again while A's relay is older than that read
-        time.sleep(3 * REFRESH_S)
+        # a client reads Redis itself when it starts, and again while A's relay is older than that read: until A
+        # refreshed once after the clients started, and each client read that relay
+        relayed = a.view.refreshes
+        wait_until(lambda: a.view.refreshes > relayed + 1, 5)
+        since = [c.view.refreshes for c in clients]
+        wait_until(lambda: all(c.view.refreshes > n + 1 for c, n in zip(clients, since)), 5)
         for r in reads:
             assert r.calls <= 2
             r.calls = 0
-        time.sleep(6 * REFRESH_S)  # six of the clients' refreshes
+        since = [c.view.refreshes for c in clients]
+        wait_until(lambda: all(c.view.refreshes >= n + 6 for c, n in zip(clients, since)), 10)  # six of each's
         for c, r in zip(clients, reads):
             assert set(c.view.table().by_node()) == {a.node_id, b.node_id}
             assert c.view.age_s < 3 * REFRESH_S and c.view.allow()
@@ -100,7 +104,7 @@ def test_a_node_that_joined_after_the_relayed_table_counts_as_a_holder_at_once(p
                            lease_s=20.0, heartbeat_s=1.0, node_refresh_s=5.0)
     a = make_node("node-a" * 4, "kvnode-a", config=cfg, wire=True)
     reader_client = connect_local(SPEC, a.node)
-    time.sleep(0.3)
+    wait_until(lambda: a.view.refreshes >= 1, 5)  # A relayed its first table
     reader_client.view.refresh()  # from A's relay, which predates C
     c = make_node("node-c" * 4, "kvnode-c", config=cfg, wire=True)
     writer = connect_local(SPEC, c.node)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -49,23 +49,14 @@ class SlotSink(Sink):
     def _buf(self, i: int) -> np.ndarray:
         return np.frombuffer(self.cascade.cpu.buffer(self.tickets[i].slot), dtype=np.uint8)[: self.nbytes]
 
-    def prepare(self, staged: Sequence[int]) -> None:
-        pass
-
     def segments(self, i: int) -> list[np.ndarray]:
         return [self._buf(i)]
 
     def put(self, i: int, src) -> None:
         np.copyto(self._buf(i), np.frombuffer(src, dtype=np.uint8))
 
-    def adopt(self, i: int, src, chunk_checksum: int, on_bad, device_sum: int | None = None) -> bool:
-        return False
-
     def commit(self, i: int, chunk_checksum: int) -> None:
         self._sums[i] = chunk_checksum
-
-    def on_release(self, fn) -> None:
-        fn()
 
     def finish(self, n: int) -> int:
         with self.lock:
@@ -86,23 +77,14 @@ class BufferSink(Sink):
         self.buf = np.empty(len(keys) * nbytes, dtype=np.uint8)
         self._sums: dict[int, int] = {}
 
-    def prepare(self, staged: Sequence[int]) -> None:
-        pass
-
     def segments(self, i: int) -> list[np.ndarray]:
         return [self.buf[i * self.nbytes : (i + 1) * self.nbytes]]
 
     def put(self, i: int, src) -> None:
         np.copyto(self.segments(i)[0], np.frombuffer(src, dtype=np.uint8))
 
-    def adopt(self, i: int, src, chunk_checksum: int, on_bad, device_sum: int | None = None) -> bool:
-        return False
-
     def commit(self, i: int, chunk_checksum: int) -> None:
         self._sums[i] = chunk_checksum
-
-    def on_release(self, fn) -> None:
-        fn()
 
     def finish(self, n: int) -> int:
         if not n:

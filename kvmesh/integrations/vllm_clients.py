@@ -40,11 +40,5 @@ class EngineClients:
 
 
 def _share(client, base, cost: bool) -> None:
-    """`client` counts into `base`'s counters (and learns into its cost model: `cost`), through
-    `KVMeshClient.share`. (Stand-ins without `share`, in tests, hold plain `counts` and `cost` attributes.)"""
-    if hasattr(client, "share"):
-        client.share(base, cost=cost)
-        return
-    client.counts = base.counts
-    if cost:
-        client.cost = base.cost
+    """`client` counts into `base`'s counters (and learns into its cost model: `cost`)."""
+    client.share(base, cost=cost)

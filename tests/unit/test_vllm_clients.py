@@ -14,6 +14,11 @@ class StandIn:
     def __init__(self, spec) -> None:
         self.spec, self.counts, self.cost = spec, Counter(), object()
 
+    def share(self, other, cost: bool = False) -> None:  # (KVMeshClient.share)
+        self.counts = other.counts
+        if cost:
+            self.cost = other.cost
+
 
 def test_threads_asking_for_one_adapter_at_once_get_one_client_counting_into_the_base_one():
     """The engine's thread, the loader and the saver asked at once: two clients were made for one adapter, and

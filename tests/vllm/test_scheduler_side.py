@@ -31,6 +31,11 @@ class Client:
         self.recorded = []
         self.view = NS(allow=lambda: True)  # the client's directory breaker: closed
 
+    def share(self, other, cost=False):  # (KVMeshClient.share)
+        self.counts = other.counts
+        if cost:
+            self.cost = other.cost
+
     def hashes(self, toks, salt=None):
         return [bytes([i]) * 16 for i in range(len(toks) // C)]
 
